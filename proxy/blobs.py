@@ -1,0 +1,168 @@
+"""Content-addressed blob files: ``{root}/blobs/ab/cd/<sha256>``.
+
+A blob is written to a temp file under ``{root}/tmp/`` (same filesystem), hashed as it
+is written, fsynced, then moved into place with ``os.replace``. A crash mid-write leaves
+only a temp file (reclaimed later); two writers of the same bytes publish the same name,
+so a duplicate store is harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+import anyio.to_thread
+
+from proxy.types import Digests
+
+TEMP_SUFFIX = ".part"
+# Digest names we compute; "sha256" is always computed because it is the blob's name.
+SUPPORTED_DIGESTS = ("md5", "sha1", "sha256", "sha512")
+
+
+class TempBlob:
+    """A temp file being written; readable by others (by path) while it grows."""
+
+    def __init__(self, path: Path, digests: Iterable[str]) -> None:
+        self.path = path
+        self.size = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        names = {"sha256", *digests}
+        self._hashers = {name: hashlib.new(name) for name in sorted(names)}
+
+    def _write_sync(self, chunk: bytes) -> None:
+        # hashlib releases the GIL on large buffers, so hashing here runs beside the loop.
+        for hasher in self._hashers.values():
+            hasher.update(chunk)
+        view = memoryview(chunk)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    async def write(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        await anyio.to_thread.run_sync(self._write_sync, chunk)
+        self.size += len(chunk)
+
+    def digests(self) -> Digests:
+        return {name: hasher.hexdigest() for name, hasher in self._hashers.items()}
+
+    @property
+    def sha256(self) -> str:
+        return self._hashers["sha256"].hexdigest()
+
+    async def sync(self) -> None:
+        await anyio.to_thread.run_sync(os.fsync, self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def discard(self) -> None:
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class BlobStore:
+    """Blob files under one root, shared by every replica."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.blobs_dir = root / "blobs"
+        self.tmp_dir = root / "tmp"
+
+    def prepare(self) -> None:
+        self.blobs_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        return self.blobs_dir / sha256[:2] / sha256[2:4] / sha256
+
+    def new_temp(self, digests: Iterable[str] = ()) -> TempBlob:
+        return TempBlob(self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}", digests)
+
+    async def publish(self, temp: TempBlob) -> str:
+        """fsync the temp file and move it to its content address; returns the sha256."""
+        sha256 = temp.sha256
+        await temp.sync()
+        temp.close()
+        target = self.path(sha256)
+        await anyio.to_thread.run_sync(_move_into_place, temp.path, target)
+        return sha256
+
+    def exists(self, sha256: str) -> bool:
+        return self.path(sha256).exists()
+
+    async def delete(self, sha256: str) -> bool:
+        def unlink() -> bool:
+            try:
+                os.unlink(self.path(sha256))
+                return True
+            except FileNotFoundError:
+                return False
+
+        return await anyio.to_thread.run_sync(unlink)
+
+    def check_writable(self) -> None:
+        """Raise OSError unless a temp file can be created and removed (for /readyz)."""
+        probe = self.tmp_dir / f".ready-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+
+    def remove_stale_temps(self, older_than_s: float) -> int:
+        """Delete temp files not modified for ``older_than_s``; returns how many."""
+        cutoff = time.time() - older_than_s
+        removed = 0
+        try:
+            entries = list(os.scandir(self.tmp_dir))
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            try:
+                if entry.is_file() and entry.stat().st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+    def iter_blobs(self) -> Iterable[tuple[str, int, float]]:
+        """(sha256, size, mtime) of every blob file, for reclaim."""
+        for top in _scandir_dirs(self.blobs_dir):
+            for mid in _scandir_dirs(Path(top)):
+                try:
+                    files = list(os.scandir(mid))
+                except FileNotFoundError:
+                    continue
+                for entry in files:
+                    try:
+                        stat = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    yield entry.name, stat.st_size, stat.st_mtime
+
+
+def _scandir_dirs(path: Path) -> list[str]:
+    try:
+        return [e.path for e in os.scandir(path) if e.is_dir()]
+    except FileNotFoundError:
+        return []
+
+
+def _move_into_place(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(source, target)
+    # The rename is durable only once the directory entry is on disk.
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,224 @@
+"""The catalog: what is cached, where its bytes are, and who is fetching what.
+
+One ``Catalog`` protocol, two backends chosen by the database URL scheme:
+``sqlite:///`` (embedded default, ``catalog/sqlite.py``) and ``postgresql://``
+(``catalog/postgres.py``, for a fleet). SQL lives in each backend module.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+from proxy.types import Digests, Kind
+
+LEASE_STATES = ("fetching", "done", "failed", "released")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A cached thing: ``(repository, key)`` -> blob and what we know about it."""
+
+    repository: str
+    key: str
+    kind: Kind
+    sha256: str | None  # None for negative entries
+    size: int
+    content_type: str | None
+    fetched_at_ms: int
+    expires_at_ms: int | None  # None: never expires (immutable, hosted)
+    etag: str | None = None  # the upstream's validators, for conditional GETs
+    last_modified: str | None = None
+    digests: Digests = field(default_factory=dict)  # every digest we computed, incl. sha256
+    last_access_ms: int = 0
+
+    def is_fresh(self, at_ms: int | None = None) -> bool:
+        if self.expires_at_ms is None:
+            return True
+        return (at_ms if at_ms is not None else now_ms()) < self.expires_at_ms
+
+    def refreshed(
+        self,
+        fetched_at_ms: int,
+        expires_at_ms: int | None,
+        etag: str | None,
+        last_modified: str | None,
+    ) -> Entry:
+        return replace(
+            self,
+            fetched_at_ms=fetched_at_ms,
+            expires_at_ms=expires_at_ms,
+            etag=etag or self.etag,
+            last_modified=last_modified or self.last_modified,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A file an index page listed: the only URLs a file request may make us fetch."""
+
+    repository: str
+    key: str
+    url: str
+    digests: Digests
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """A won claim: our mandate on ``key`` is ``fence``."""
+
+    key: str
+    holder: str
+    fence: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRow:
+    """A lease as the database sees it; ``expired`` is judged by the database's clock."""
+
+    key: str
+    holder: str
+    fence: int
+    state: str
+    expired: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    entries: int
+    bytes: int
+
+
+class Catalog(Protocol):
+    """Storage-independent operations on entries, links, fetch leases and job locks.
+
+    Every method raises ``CatalogError`` (never a driver exception) when the database fails.
+    """
+
+    backend: str
+
+    async def migrate(self) -> list[str]:
+        """Apply pending migrations (serialized across processes); returns their names."""
+        ...
+
+    async def close(self) -> None: ...
+
+    async def ping(self) -> None: ...
+
+    # -- entries -------------------------------------------------------------------
+    async def get_entry(self, repository: str, key: str) -> Entry | None: ...
+
+    async def put_entry(self, entry: Entry) -> None:
+        """Insert or replace (idempotent: storing the same entry twice is harmless)."""
+        ...
+
+    async def refresh_entry(self, entry: Entry) -> None:
+        """Record a successful revalidation (304): new fetched/expiry times and validators."""
+        ...
+
+    async def delete_entry(self, repository: str, key: str, sha256: str | None) -> bool:
+        """Delete the entry if it still points at ``sha256`` (any blob when None)."""
+        ...
+
+    async def touch_entries(self, accesses: Sequence[tuple[str, str, int]]) -> None:
+        """Record last access times ``(repository, key, at_ms)`` in one batch."""
+        ...
+
+    async def usage(self, repository: str) -> Usage: ...
+
+    async def least_recently_used(self, repository: str, limit: int) -> list[Entry]: ...
+
+    async def blob_is_referenced(self, sha256: str) -> bool: ...
+
+    async def delete_expired_negatives(self, older_than_ms: int) -> int: ...
+
+    # -- links (PyPI files an index listed) ---------------------------------------------
+    async def put_links(self, links: Sequence[Link]) -> None: ...
+
+    async def get_link(self, repository: str, key: str) -> Link | None: ...
+
+    # -- fetch leases (DESIGN §5) --------------------------------------------------------
+    async def claim_lease(self, key: str, holder: str, ttl_s: float) -> LeaseGrant | None:
+        """One atomic claim: wins if the row is absent, expired, not 'fetching', or ours.
+
+        The fence comes from a global sequence, so it grows on every claim (re-entrant
+        ones too) and stays monotonic after old rows are purged. Returns None if another
+        holder's live 'fetching' lease stands.
+        """
+        ...
+
+    async def renew_lease(self, grant: LeaseGrant, ttl_s: float) -> bool:
+        """Extend our mandate; False if the row no longer carries our holder+fence+'fetching'."""
+        ...
+
+    async def release_lease(self, grant: LeaseGrant, state: str) -> bool:
+        """End our mandate with ``state`` (done/failed/released), expiring the row in place.
+
+        Matches key+holder+fence+'fetching' only, so a late release of an older mandate
+        changes nothing. Never deletes the row: the fence must survive.
+        """
+        ...
+
+    async def get_lease(self, key: str) -> LeaseRow | None: ...
+
+    async def purge_leases(self, retention_s: float) -> int:
+        """Delete rows expired for longer than ``retention_s``; returns how many."""
+        ...
+
+    # -- background jobs (DESIGN §8) -------------------------------------------------------
+    def job_lock(self, name: str) -> AbstractAsyncContextManager[bool]:
+        """Hold the fleet-wide lock for one pass of job ``name``; yields False if taken."""
+        ...
+
+    async def claim_job_run(self, name: str, interval_s: float, holder: str) -> int | None:
+        """Record a start if the last one is older than ``interval_s``; returns its id."""
+        ...
+
+    async def give_back_job_run(self, name: str, run_id: int) -> None:
+        """Undo a claim whose run was cut off, so the schedule is not skipped."""
+        ...
+
+    # -- notifications ------------------------------------------------------------------
+    async def listen_leases(self, on_notify: Callable[[str], None]) -> None:
+        """Deliver lease transitions (the lease key) until cancelled; polls back it up."""
+        ...
+
+
+def open_catalog(database_url: str, migrations_root: Path | None = None) -> Catalog:
+    from proxy.config import sqlite_path
+
+    root = migrations_root or migrations_dir()
+    if database_url.startswith("sqlite:"):
+        from proxy.catalog.sqlite import SqliteCatalog
+
+        return SqliteCatalog(sqlite_path(database_url), root / "sqlite")
+    from proxy.catalog.postgres import PostgresCatalog
+
+    return PostgresCatalog(database_url, root / "postgres")
+
+
+def migrations_dir() -> Path:
+    """Where the SQL migrations are: inside the wheel, or at the top of a checkout."""
+    packaged = Path(__file__).resolve().parent.parent / "_migrations"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent.parent / "migrations"
+
+
+def migration_files(folder: Path) -> list[tuple[int, str, str]]:
+    """``(version, name, sql)`` of every ``NNNN_name.sql`` in ``folder``, in order."""
+    found = []
+    for path in sorted(folder.glob("*.sql")):
+        number, _, _ = path.stem.partition("_")
+        if not number.isdigit():
+            raise ValueError(f"migration {path.name}: name must start with a number")
+        found.append((int(number), path.stem, path.read_text(encoding="utf-8")))
+    return found

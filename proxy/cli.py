@@ -1,0 +1,162 @@
+"""``proxy serve | check-config | migrate | gc``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from proxy import __version__
+from proxy.config import Settings, load
+from proxy.exceptions import CatalogError, ConfigError
+
+GRACEFUL_SHUTDOWN_S = 10  # in-flight cache hits get this long to finish on SIGTERM
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="proxy", description="Pull-through caching artifact proxy"
+    )
+    parser.add_argument("--version", action="version", version=f"proxy {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the proxy")
+    serve.add_argument(
+        "--config", help="TOML config file (default: $PROXY_CONFIG or built-in defaults)"
+    )
+    serve.add_argument("--listen", help="HOST:PORT to listen on (default: server.listen)")
+    serve.add_argument("--workers", type=int, help="worker processes (default: server.workers)")
+    serve.add_argument("--access-log", action="store_true", help="log every request")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    check = commands.add_parser(
+        "check-config", help="validate the config and print the effective settings"
+    )
+    check.add_argument("--config")
+
+    migrate = commands.add_parser("migrate", help="apply database migrations and exit")
+    migrate.add_argument("--config")
+
+    gc = commands.add_parser("gc", help="run one reclaim pass (leases, temp files, orphan blobs)")
+    gc.add_argument("--config")
+
+    args = parser.parse_args(argv)
+    environ = dict(os.environ)
+    if getattr(args, "config", None):
+        environ["PROXY_CONFIG"] = args.config
+    if getattr(args, "listen", None):
+        environ["PROXY_LISTEN"] = args.listen
+    try:
+        settings = load(None, environ)
+    except ConfigError as exc:
+        print("configuration errors:", file=sys.stderr)
+        for error in exc.errors:
+            print(f"  {error}", file=sys.stderr)
+        return 2
+
+    if args.command == "check-config":
+        print(settings.describe(), end="")
+        return 0
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format=LOG_FORMAT)
+    if args.command == "migrate":
+        return asyncio.run(_migrate(settings))
+    if args.command == "gc":
+        return asyncio.run(_gc(settings))
+    workers = args.workers if args.workers is not None else settings.workers
+    if workers < 1:
+        print("--workers: must be 1 or more", file=sys.stderr)
+        return 2
+    return _serve(settings, environ, workers, args.access_log, args.log_level)
+
+
+def _serve(
+    settings: Settings, environ: dict[str, str], workers: int, access_log: bool, level: str
+) -> int:
+    import uvicorn
+
+    common = dict(
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=access_log,
+        log_config=None,
+        log_level=level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        server_header=False,
+    )
+    if workers == 1:
+        from proxy.app import create_app
+
+        config = uvicorn.Config(create_app(settings), **common)  # type: ignore[arg-type]
+        server = uvicorn.Server(config)
+        server.run()
+        return 0 if server.started else 1
+
+    # Several workers: each process builds the app from the environment, is its own lease
+    # holder, and writes metrics to a shared directory that /metrics aggregates.
+    from uvicorn.supervisors import Multiprocess
+
+    metrics_dir = environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(
+        prefix="proxy-metrics-"
+    )
+    owns_metrics_dir = "PROMETHEUS_MULTIPROC_DIR" not in environ
+    for name in os.listdir(metrics_dir):
+        os.unlink(os.path.join(metrics_dir, name))
+    os.environ.update(
+        {key: value for key, value in environ.items() if key.startswith("PROXY_")},
+    )
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    config = uvicorn.Config(
+        "proxy.app:create_app_from_environment",
+        factory=True,
+        workers=workers,
+        **common,  # type: ignore[arg-type]
+    )
+    try:
+        sock = config.bind_socket()
+        Multiprocess(config, sockets=[sock]).run()
+    finally:
+        if owns_metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0
+
+
+async def _migrate(settings: Settings) -> int:
+    from proxy.catalog import open_catalog
+
+    catalog = open_catalog(settings.database_url)
+    try:
+        applied = await catalog.migrate()
+    except CatalogError as exc:
+        print(f"database.url: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await catalog.close()
+    print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+    return 0
+
+
+async def _gc(settings: Settings) -> int:
+    from proxy.blobs import BlobStore
+    from proxy.catalog import open_catalog
+    from proxy.jobs.reclaim import Reclaim
+
+    catalog = open_catalog(settings.database_url)
+    try:
+        await catalog.migrate()
+        summary = await Reclaim(settings, catalog, BlobStore(settings.storage_path)).run()
+    except CatalogError as exc:
+        print(f"database.url: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await catalog.close()
+    print(summary)
+    return 0

@@ -1,0 +1,73 @@
+"""In-memory knowledge of entries, so a cache hit costs no database round trip.
+
+``EntryIndex`` remembers entries this process has looked up or stored. Immutable
+entries never change, so a remembered one is served as is (if another replica evicted
+its blob, opening the file fails and the caller forgets it). Metadata and negative
+entries are served only while fresh; hosted entries (writable by any replica) are
+never remembered. ``AccessLog`` buffers last-access times and writes them in batches.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from proxy import metrics
+from proxy.catalog import Catalog, Entry, now_ms
+from proxy.exceptions import CatalogError
+from proxy.types import Kind
+
+log = logging.getLogger("proxy.cache")
+
+INDEX_MAX_ENTRIES = 200_000
+ACCESS_FLUSH_BATCH = 5_000
+
+
+class EntryIndex:
+    def __init__(self, max_entries: int = INDEX_MAX_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self._entries: dict[tuple[str, str], Entry] = {}
+
+    def get(self, repository: str, key: str) -> Entry | None:
+        return self._entries.get((repository, key))
+
+    def put(self, entry: Entry) -> None:
+        if entry.kind is Kind.HOSTED:
+            return
+        entries = self._entries
+        ident = (entry.repository, entry.key)
+        if ident not in entries and len(entries) >= self.max_entries:
+            # Forget the oldest insertion: cheap, and a forgotten entry costs one lookup.
+            del entries[next(iter(entries))]
+        entries[ident] = entry
+
+    def drop(self, repository: str, key: str) -> None:
+        self._entries.pop((repository, key), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class AccessLog:
+    """Last-access times noted on the hit path and flushed to the catalog in batches."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[str, str], int] = {}
+
+    def record(self, repository: str, key: str) -> None:
+        self._pending[(repository, key)] = now_ms()
+
+    async def flush(self, catalog: Catalog) -> int:
+        if not self._pending:
+            return 0
+        pending, self._pending = self._pending, {}
+        batch = [(repo, key, at) for (repo, key), at in pending.items()]
+        try:
+            for start in range(0, len(batch), ACCESS_FLUSH_BATCH):
+                await catalog.touch_entries(batch[start : start + ACCESS_FLUSH_BATCH])
+        except CatalogError as exc:
+            metrics.CATALOG_ERRORS.labels(operation="touch_entries").inc()
+            log.warning("could not record %d access times: %s; will retry", len(batch), exc)
+            for repo, key, at in batch:
+                self._pending.setdefault((repo, key), at)
+            return 0
+        return len(batch)

@@ -1,0 +1,421 @@
+"""The miss path (DESIGN §4): single-flight in the process, a fetch lease across
+processes, and a download that every waiter reads while it arrives.
+
+``Fetcher.fetch(spec, stale)`` returns an ``Outcome`` as soon as a client can start
+answering: ``Streaming`` once the first bytes are on disk, or the final result. The
+fetch itself runs in the app's task group, so a client that leaves cancels only its
+own wait, never the fetch nor the other clients joined to it.
+
+Formats describe *how* to get a key from upstream with an ``Origin``; this module
+decides *whether* to (lease), and stores, verifies and streams what arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from proxy import metrics
+from proxy.blobs import SUPPORTED_DIGESTS, BlobStore
+from proxy.catalog import Catalog, Entry, now_ms
+from proxy.download import Download
+from proxy.entry_index import EntryIndex
+from proxy.exceptions import (
+    CatalogError,
+    DigestMismatch,
+    ShuttingDown,
+    UpstreamError,
+    UpstreamUnavailable,
+)
+from proxy.leases import HeldLease, LeaseCoordinator, Verdict
+from proxy.tasks import TaskSupervisor
+from proxy.types import Digests, Kind
+
+log = logging.getLogger("proxy.fetch")
+
+INLINE_BODY_LIMIT_BYTES = 64 * 1024 * 1024  # bodies never stored (TTL 0) are held in memory
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    NOT_MODIFIED = "not_modified"
+    NOT_FOUND = "not_found"
+
+
+@dataclass
+class Fetched:
+    """What an origin got from upstream: a body to store, a 304, or a confirmed miss."""
+
+    status: Status
+    body: AsyncIterator[bytes] | None = None
+    content_type: str | None = None
+    length: int | None = None  # the body size, when known before reading it
+    etag: str | None = None
+    last_modified: str | None = None
+    expected: Digests = field(default_factory=dict)  # digests the body must match
+    message: str = ""  # for NOT_FOUND: what was missing, for the client
+
+
+class Origin(Protocol):
+    """How to get one key from upstream. Formats implement it; it never touches storage."""
+
+    def open(self, stale: Entry | None) -> AbstractAsyncContextManager[Fetched]:
+        """Ask the upstream (conditionally, if ``stale`` has validators).
+
+        Raises ``UpstreamError`` for outages; a confirmed miss is ``Status.NOT_FOUND``.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class FetchSpec:
+    repository: str
+    format: str
+    key: str
+    kind: Kind  # IMMUTABLE or METADATA
+    origin: Origin
+    ttl_s: float | None = None  # METADATA: seconds fresh; 0 = never stored
+    negative_ttl_s: float = 0.0
+    digests: tuple[str, ...] = ()  # extra digests to compute and keep (e.g. sha1, md5)
+    stream: bool = True  # may clients read the body while it downloads?
+
+    @property
+    def storable(self) -> bool:
+        return self.kind is not Kind.METADATA or bool(self.ttl_s)
+
+    def expires_at_ms(self, fetched_at_ms: int) -> int | None:
+        if self.kind is Kind.METADATA and self.ttl_s is not None:
+            return fetched_at_ms + int(self.ttl_s * 1000)
+        return None
+
+
+# -- outcomes: what a waiting request gets ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stored:
+    entry: Entry
+
+
+@dataclass(frozen=True)
+class Streaming:
+    download: Download
+
+
+@dataclass(frozen=True)
+class Inline:
+    body: bytes
+    content_type: str | None
+
+
+@dataclass(frozen=True)
+class Missing:
+    message: str
+
+
+@dataclass(frozen=True)
+class Stale:
+    entry: Entry
+    reason: str
+
+
+Outcome = Stored | Streaming | Inline | Missing | Stale
+
+
+class _Flight:
+    """One fetch of one key in this process, and the requests waiting on it."""
+
+    def __init__(self) -> None:
+        self.first: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self.download: Download | None = None
+
+    def settle(self, outcome: Outcome) -> None:
+        if not self.first.done():
+            self.first.set_result(outcome)
+
+    def settle_error(self, exc: BaseException) -> None:
+        if self.download is not None:
+            self.download.fail(exc)
+        if not self.first.done():
+            self.first.set_exception(exc)
+
+
+class Fetcher:
+    def __init__(
+        self,
+        catalog: Catalog,
+        blobs: BlobStore,
+        index: EntryIndex,
+        leases: LeaseCoordinator,
+        tasks: TaskSupervisor,
+    ) -> None:
+        self.catalog = catalog
+        self.blobs = blobs
+        self.index = index
+        self.leases = leases
+        self.tasks = tasks
+        self._flights: dict[tuple[str, str], _Flight] = {}
+
+    async def fetch(self, spec: FetchSpec, stale: Entry | None) -> Outcome:
+        """Join the fetch of ``spec.key`` running in this process, or start one."""
+        flight_key = (spec.repository, spec.key)
+        flight = self._flights.get(flight_key)
+        if flight is not None:
+            metrics.COALESCED_WAITERS.labels(repository=spec.repository).inc()
+        else:
+            if self.tasks.closing:
+                raise ShuttingDown("the proxy is shutting down")
+            flight = _Flight()
+            self._flights[flight_key] = flight
+            self.tasks.spawn(
+                f"fetch:{spec.repository}/{spec.key}", self._run(spec, stale, flight, flight_key)
+            )
+        # shield: a client that leaves cancels its own wait, not the shared future.
+        return await asyncio.shield(flight.first)
+
+    async def _run(
+        self, spec: FetchSpec, stale: Entry | None, flight: _Flight, flight_key: tuple[str, str]
+    ) -> None:
+        gauge = metrics.FETCHES_IN_FLIGHT.labels(repository=spec.repository)
+        gauge.inc()
+        try:
+            await self._resolve(spec, stale, flight)
+        except asyncio.CancelledError:
+            flight.settle_error(ShuttingDown("the proxy is shutting down"))
+            raise
+        except Exception as exc:
+            flight.settle_error(exc)
+        finally:
+            gauge.dec()
+            if self._flights.get(flight_key) is flight:
+                del self._flights[flight_key]
+
+    async def _resolve(self, spec: FetchSpec, stale: Entry | None, flight: _Flight) -> None:
+        if not spec.storable:
+            # Never stored, so nothing for another process to wait for: no lease.
+            await self._download(spec, stale, flight, held=None)
+            return
+        took_over = False
+        while True:
+            held = await self.leases.claim(spec.repository, spec.key)
+            if held is not None:
+                if took_over:
+                    metrics.LEASE_TAKEOVERS.labels(repository=spec.repository).inc()
+                # Another process may have stored it between our lookup and our claim.
+                entry = await self._find_fresh(spec)
+                if entry is not None:
+                    await held.release("done")
+                    flight.settle(_served(entry))
+                    return
+                await self._download(spec, stale, flight, held)
+                return
+            metrics.LEASE_WAITS.labels(repository=spec.repository).inc()
+            result = await self.leases.wait(
+                spec.repository, spec.key, lambda: self._find_fresh(spec)
+            )
+            if result.verdict is Verdict.ENTRY:
+                assert result.entry is not None
+                self.index.put(result.entry)
+                flight.settle(_served(result.entry))
+                return
+            if result.verdict is Verdict.FAILED:
+                if stale is not None:
+                    self._serve_stale(
+                        spec,
+                        stale,
+                        f"the fetch by another process failed (fence {result.fence})",
+                        flight,
+                    )
+                    return
+                # Nothing to fall back on: fetch at the same time as the others, unleased.
+                await self._download(spec, stale, flight, held=None)
+                return
+            log.info(
+                "lease takeover repository=%s key=%s after fence=%s",
+                spec.repository,
+                spec.key,
+                result.fence,
+            )
+            took_over = True
+
+    async def _find_fresh(self, spec: FetchSpec) -> Entry | None:
+        entry = await self.catalog.get_entry(spec.repository, spec.key)
+        return entry if entry is not None and entry.is_fresh() else None
+
+    def _serve_stale(self, spec: FetchSpec, stale: Entry, reason: str, flight: _Flight) -> None:
+        metrics.STALE_SERVED.labels(repository=spec.repository).inc()
+        log.warning(
+            "serving stale repository=%s key=%s age=%.0fs reason=%s",
+            spec.repository,
+            spec.key,
+            (now_ms() - stale.fetched_at_ms) / 1000,
+            reason,
+        )
+        flight.settle(Stale(stale, reason))
+
+    async def _download(
+        self, spec: FetchSpec, stale: Entry | None, flight: _Flight, held: HeldLease | None
+    ) -> None:
+        started = time.monotonic()
+        state = "released"
+        outcome = "error"
+        try:
+            async with spec.origin.open(stale) as fetched:
+                if fetched.status is Status.NOT_MODIFIED and stale is not None:
+                    fetched_at = now_ms()
+                    entry = stale.refreshed(
+                        fetched_at,
+                        spec.expires_at_ms(fetched_at),
+                        fetched.etag,
+                        fetched.last_modified,
+                    )
+                    await self.catalog.refresh_entry(entry)
+                    self.index.put(entry)
+                    flight.settle(Stored(entry))
+                    outcome = "not_modified"
+                elif fetched.status is Status.NOT_MODIFIED:
+                    raise UpstreamUnavailable(
+                        f"{spec.key}: upstream answered 304 to an unconditional GET"
+                    )
+                elif fetched.status is Status.NOT_FOUND:
+                    await self._store_negative(spec)
+                    flight.settle(Missing(fetched.message or f"{spec.key} not found upstream"))
+                    outcome = "not_found"
+                elif not spec.storable:
+                    body = await _read_all(fetched)
+                    flight.settle(Inline(body, fetched.content_type))
+                    outcome = "passed_through"
+                else:
+                    await self._store_body(spec, fetched, flight)
+                    outcome = "stored"
+            state = "done"
+        except UpstreamError as exc:
+            state = "failed"
+            if isinstance(exc, DigestMismatch):
+                metrics.DIGEST_MISMATCHES.labels(repository=spec.repository).inc()
+            log.warning(
+                "fetch failed repository=%s key=%s error=%s", spec.repository, spec.key, exc
+            )
+            if stale is not None and stale.kind is Kind.METADATA:
+                self._serve_stale(spec, stale, str(exc), flight)
+            else:
+                raise
+        finally:
+            metrics.UPSTREAM_FETCH_DURATION.labels(
+                repository=spec.repository, outcome=outcome
+            ).observe(time.monotonic() - started)
+            if held is not None:
+                await held.release(state)
+        log.info(
+            "fetch repository=%s key=%s outcome=%s duration=%.3fs lease=%s",
+            spec.repository,
+            spec.key,
+            outcome,
+            time.monotonic() - started,
+            held.fence if held else "none",
+        )
+
+    async def _store_negative(self, spec: FetchSpec) -> None:
+        if spec.negative_ttl_s <= 0 or not spec.storable:
+            return
+        fetched_at = now_ms()
+        entry = Entry(
+            repository=spec.repository,
+            key=spec.key,
+            kind=Kind.NEGATIVE,
+            sha256=None,
+            size=0,
+            content_type=None,
+            fetched_at_ms=fetched_at,
+            expires_at_ms=fetched_at + int(spec.negative_ttl_s * 1000),
+        )
+        await self.catalog.put_entry(entry)
+        self.index.put(entry)
+
+    async def _store_body(self, spec: FetchSpec, fetched: Fetched, flight: _Flight) -> None:
+        assert fetched.body is not None
+        expected = {name: value.lower() for name, value in fetched.expected.items()}
+        wanted = set(spec.digests) | {
+            n for n in expected if n in SUPPORTED_DIGESTS or n in hashlib.algorithms_available
+        }
+        temp = self.blobs.new_temp(wanted)
+        download = Download(str(temp.path), fetched.content_type, fetched.length)
+        flight.download = download
+        upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=spec.repository)
+        try:
+            async for chunk in fetched.body:
+                await temp.write(chunk)
+                upstream_bytes.inc(len(chunk))
+                download.advance(len(chunk))
+                whole_body_in = download.total is not None and download.written >= download.total
+                if spec.stream and not whole_body_in:
+                    flight.settle(Streaming(download))
+            computed = temp.digests()
+            for name, value in expected.items():
+                if name in computed and computed[name] != value:
+                    raise DigestMismatch(
+                        f"{spec.key}: upstream bytes have {name} {computed[name]}, "
+                        f"the index lists {value}; nothing was stored"
+                    )
+            sha256 = await self.blobs.publish(temp)
+        except BaseException as exc:
+            temp.discard()
+            download.fail(exc if isinstance(exc, Exception) else ShuttingDown("shutting down"))
+            raise
+        fetched_at = now_ms()
+        entry: Entry | None = Entry(
+            repository=spec.repository,
+            key=spec.key,
+            kind=spec.kind,
+            sha256=sha256,
+            size=temp.size,
+            content_type=fetched.content_type,
+            fetched_at_ms=fetched_at,
+            expires_at_ms=spec.expires_at_ms(fetched_at),
+            etag=fetched.etag,
+            last_modified=fetched.last_modified,
+            digests=computed,
+            last_access_ms=fetched_at,
+        )
+        assert entry is not None
+        try:
+            await self.catalog.put_entry(entry)
+            self.index.put(entry)
+        except CatalogError as exc:
+            # The bytes are verified and published; clients still get them. Recording
+            # fails only the cache, which the next request retries.
+            metrics.CATALOG_ERRORS.labels(operation="put_entry").inc()
+            log.error("could not record repository=%s key=%s: %s", spec.repository, spec.key, exc)
+            entry = None
+        download.finish(entry, str(self.blobs.path(sha256)))
+        if entry is not None:
+            flight.settle(Stored(entry))
+        else:
+            flight.settle(Streaming(download))
+
+
+def _served(entry: Entry) -> Outcome:
+    if entry.kind is Kind.NEGATIVE:
+        return Missing(f"{entry.key} not found upstream")
+    return Stored(entry)
+
+
+async def _read_all(fetched: Fetched) -> bytes:
+    assert fetched.body is not None
+    chunks = []
+    size = 0
+    async for chunk in fetched.body:
+        size += len(chunk)
+        if size > INLINE_BODY_LIMIT_BYTES:
+            raise UpstreamError(
+                f"body over {INLINE_BODY_LIMIT_BYTES} bytes cannot be passed through uncached"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,403 @@
+"""The Simple Repository API's pages (PEPs 503, 592, 629, 658, 691, 700, 714):
+content negotiation, parsing upstream pages (HTML or JSON) and rendering ours.
+
+Pages are parsed into a small model and rendered again, rather than edited in place,
+so every link we send is one we built (relative, escaped) and either representation
+can be served whatever the upstream speaks.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from typing import Any
+from urllib.parse import quote, urldefrag, urljoin
+
+JSON_V1 = "application/vnd.pypi.simple.v1+json"
+HTML_V1 = "application/vnd.pypi.simple.v1+html"
+TEXT_HTML = "text/html"
+_ALIASES = {
+    "application/vnd.pypi.simple.latest+json": JSON_V1,
+    "application/vnd.pypi.simple.latest+html": HTML_V1,
+}
+# What we ask upstreams for, per representation we will render.
+UPSTREAM_ACCEPT = {
+    "json": f"{JSON_V1}, {HTML_V1};q=0.2, {TEXT_HTML};q=0.1",
+    "html": f"{HTML_V1}, {TEXT_HTML};q=0.9, {JSON_V1};q=0.5",
+}
+CONTENT_TYPES = {JSON_V1: JSON_V1, HTML_V1: HTML_V1, TEXT_HTML: "text/html; charset=utf-8"}
+
+_PROJECT_NAME_RE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
+_HEX_RE = re.compile(r"^[0-9a-fA-F]+$")
+_HASH_NAMES = ("sha256", "sha512", "sha384", "sha224", "sha1", "md5")
+
+
+def normalize(name: str) -> str:
+    """PEP 503 normalized name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def is_valid_project_name(name: str) -> bool:
+    return len(name) <= 200 and _PROJECT_NAME_RE.match(name) is not None
+
+
+def is_safe_filename(name: str) -> bool:
+    return (
+        0 < len(name) <= 255
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\x00\r\n")
+    )
+
+
+# -- negotiation -------------------------------------------------------------------
+
+
+def negotiate(accept: str | None) -> tuple[str, str] | None:
+    """Pick ``(representation, content type)`` from an Accept header; None means 406.
+
+    Explicit types win by q-value, then JSON before HTML. A bare wildcard (no Accept,
+    ``*/*``) gets text/html, which every client understands.
+    """
+    offers = (JSON_V1, HTML_V1, TEXT_HTML)
+    best: tuple[float, int, int, str] | None = None
+    for media, q in _parse_accept(accept or "*/*"):
+        media = _ALIASES.get(media, media)
+        for offer_rank, offer in enumerate(offers):
+            specificity = _match(media, offer)
+            if specificity < 0 or q <= 0:
+                continue
+            preference = (2 - offer_rank) if specificity == 2 else offer_rank
+            candidate = (q, specificity, preference, offer)
+            if best is None or candidate > best:
+                best = candidate
+    if best is None:
+        return None
+    chosen = best[3]
+    return ("json" if chosen == JSON_V1 else "html"), CONTENT_TYPES[chosen]
+
+
+def _parse_accept(header: str) -> list[tuple[str, float]]:
+    parsed = []
+    for part in header.split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        if not media:
+            continue
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        parsed.append((media.lower(), q))
+    return parsed
+
+
+def _match(media: str, offer: str) -> int:
+    """2 exact, 1 ``type/*``, 0 ``*/*``, -1 no match."""
+    if media == offer:
+        return 2
+    if media == "*/*":
+        return 0
+    kind, _, sub = media.partition("/")
+    if sub == "*" and offer.startswith(kind + "/"):
+        return 1
+    return -1
+
+
+# -- model -------------------------------------------------------------------------
+
+
+@dataclass
+class FileLink:
+    filename: str
+    url: str  # absolute upstream URL, fragment removed
+    hashes: dict[str, str] = field(default_factory=dict)
+    requires_python: str | None = None
+    yanked: bool | str = False
+    core_metadata: bool | dict[str, str] = False
+    gpg_sig: bool | None = None
+    size: int | None = None
+    upload_time: str | None = None
+
+
+@dataclass
+class ProjectPage:
+    name: str
+    files: list[FileLink]
+    versions: list[str] | None = None
+
+
+@dataclass
+class RootPage:
+    projects: list[str]
+
+
+class IndexFormatError(ValueError):
+    """The upstream page could not be understood."""
+
+
+# -- parsing -----------------------------------------------------------------------
+
+
+def parse_project(body: bytes, content_type: str, page_url: str, name: str) -> ProjectPage:
+    if "json" in content_type:
+        return _parse_project_json(body, page_url, name)
+    return _parse_project_html(body, page_url, name)
+
+
+def parse_root(body: bytes, content_type: str) -> RootPage:
+    if "json" in content_type:
+        data = _load_json(body)
+        projects = data.get("projects")
+        if not isinstance(projects, list):
+            raise IndexFormatError("JSON root page has no 'projects' list")
+        return RootPage([str(p["name"]) for p in projects if isinstance(p, dict) and "name" in p])
+    parser = _AnchorParser()
+    parser.feed(body.decode("utf-8", errors="replace"))
+    return RootPage([text.strip() for _, text in parser.anchors if text.strip()])
+
+
+def _load_json(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IndexFormatError(f"invalid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise IndexFormatError("JSON page is not an object")
+    return data
+
+
+def _parse_project_json(body: bytes, page_url: str, name: str) -> ProjectPage:
+    data = _load_json(body)
+    raw_files = data.get("files")
+    if not isinstance(raw_files, list):
+        raise IndexFormatError("JSON project page has no 'files' list")
+    files = []
+    for raw in raw_files:
+        if not isinstance(raw, dict) or not isinstance(raw.get("url"), str):
+            continue
+        url, fragment = urldefrag(urljoin(page_url, raw["url"]))
+        hashes = _clean_hashes(raw.get("hashes"))
+        hashes = hashes or _fragment_hashes(fragment)
+        core = raw.get("core-metadata", raw.get("dist-info-metadata", False))
+        yanked = raw.get("yanked", False)
+        size = raw.get("size")
+        files.append(
+            FileLink(
+                filename=str(raw.get("filename", url.rsplit("/", 1)[-1])),
+                url=url,
+                hashes=hashes,
+                requires_python=raw.get("requires-python") or None,
+                yanked=yanked if isinstance(yanked, bool | str) else bool(yanked),
+                core_metadata=_clean_core_metadata(core),
+                gpg_sig=raw.get("gpg-sig") if isinstance(raw.get("gpg-sig"), bool) else None,
+                size=size if isinstance(size, int) and not isinstance(size, bool) else None,
+                upload_time=raw.get("upload-time")
+                if isinstance(raw.get("upload-time"), str)
+                else None,
+            )
+        )
+    versions = data.get("versions")
+    return ProjectPage(
+        name=str(data.get("name", name)),
+        files=files,
+        versions=[str(v) for v in versions] if isinstance(versions, list) else None,
+    )
+
+
+def _parse_project_html(body: bytes, page_url: str, name: str) -> ProjectPage:
+    parser = _AnchorParser()
+    parser.feed(body.decode("utf-8", errors="replace"))
+    base = urljoin(page_url, parser.base_href) if parser.base_href else page_url
+    files = []
+    for attrs, text in parser.anchors:
+        href = attrs.get("href")
+        if not href:
+            continue
+        url, fragment = urldefrag(urljoin(base, href))
+        filename = text.strip() or url.rsplit("/", 1)[-1]
+        yanked: bool | str = False
+        if "data-yanked" in attrs:
+            yanked = attrs["data-yanked"] or True
+        core: bool | dict[str, str] = False
+        for attr in ("data-core-metadata", "data-dist-info-metadata"):
+            if attr in attrs:
+                core = _core_metadata_from_attr(attrs[attr])
+                break
+        gpg = attrs.get("data-gpg-sig")
+        files.append(
+            FileLink(
+                filename=filename,
+                url=url,
+                hashes=_fragment_hashes(fragment),
+                requires_python=attrs.get("data-requires-python") or None,
+                yanked=yanked,
+                core_metadata=core,
+                gpg_sig=None if gpg is None else gpg == "true",
+            )
+        )
+    return ProjectPage(name=name, files=files)
+
+
+class _AnchorParser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.anchors: list[tuple[dict[str, str], str]] = []
+        self.base_href: str | None = None
+        self._current: dict[str, str] | None = None
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "base" and self.base_href is None:
+            self.base_href = dict(attrs).get("href") or None
+        elif tag == "a":
+            self._current = {k: (v if v is not None else "") for k, v in attrs}
+            self._text = []
+
+    def handle_data(self, data: str) -> None:
+        if self._current is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "a" and self._current is not None:
+            self.anchors.append((self._current, "".join(self._text)))
+            self._current = None
+
+
+def _fragment_hashes(fragment: str) -> dict[str, str]:
+    name, sep, value = fragment.partition("=")
+    if sep and name.lower() in _HASH_NAMES and _HEX_RE.match(value):
+        return {name.lower(): value.lower()}
+    return {}
+
+
+def _clean_hashes(raw: object) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        str(k).lower(): str(v).lower()
+        for k, v in raw.items()
+        if isinstance(v, str) and _HEX_RE.match(v)
+    }
+
+
+def _clean_core_metadata(raw: object) -> bool | dict[str, str]:
+    if isinstance(raw, dict):
+        return _clean_hashes(raw) or True
+    return bool(raw)
+
+
+def _core_metadata_from_attr(value: str) -> bool | dict[str, str]:
+    if value in ("", "true"):
+        return True
+    hashes = _fragment_hashes(value)
+    return hashes or True
+
+
+# -- rendering ---------------------------------------------------------------------
+
+
+def file_href(project: str, filename: str) -> str:
+    """Where a project page at ``/{repo}/simple/{project}/`` sends clients for a file."""
+    return f"../../files/{project}/{quote(filename, safe='')}"
+
+
+def render_project(page: ProjectPage, project: str, representation: str) -> bytes:
+    if representation == "json":
+        return _render_project_json(page, project)
+    return _render_project_html(page, project)
+
+
+def _render_project_html(page: ProjectPage, project: str) -> bytes:
+    title = html.escape(f"Links for {page.name}")
+    out = [
+        "<!DOCTYPE html>\n<html>\n  <head>\n",
+        '    <meta name="pypi:repository-version" content="1.1">\n',
+        f"    <title>{title}</title>\n  </head>\n  <body>\n    <h1>{title}</h1>\n",
+    ]
+    for f in page.files:
+        href = file_href(project, f.filename)
+        algo = next((n for n in _HASH_NAMES if n in f.hashes), None)
+        if algo:
+            href += f"#{algo}={f.hashes[algo]}"
+        attrs = [f'href="{html.escape(href)}"']
+        if f.requires_python:
+            attrs.append(f'data-requires-python="{html.escape(f.requires_python)}"')
+        if f.yanked:
+            reason = f.yanked if isinstance(f.yanked, str) else ""
+            attrs.append(f'data-yanked="{html.escape(reason)}"')
+        if f.core_metadata:
+            value = _core_metadata_attr(f.core_metadata)
+            attrs.append(f'data-dist-info-metadata="{value}"')
+            attrs.append(f'data-core-metadata="{value}"')
+        if f.gpg_sig is not None:
+            attrs.append(f'data-gpg-sig="{"true" if f.gpg_sig else "false"}"')
+        out.append(f"    <a {' '.join(attrs)}>{html.escape(f.filename)}</a><br />\n")
+    out.append("  </body>\n</html>\n")
+    return "".join(out).encode()
+
+
+def _core_metadata_attr(core: bool | dict[str, str]) -> str:
+    if isinstance(core, dict):
+        algo = next((n for n in _HASH_NAMES if n in core), None)
+        if algo:
+            return html.escape(f"{algo}={core[algo]}")
+    return "true"
+
+
+def _render_project_json(page: ProjectPage, project: str) -> bytes:
+    # 1.1 (PEP 700) promises `versions` and every file's `size`; claim it only if we have them.
+    v11 = page.versions is not None and all(f.size is not None for f in page.files)
+    files = []
+    for f in page.files:
+        item: dict[str, Any] = {
+            "filename": f.filename,
+            "url": file_href(project, f.filename),
+            "hashes": f.hashes,
+        }
+        if f.requires_python:
+            item["requires-python"] = f.requires_python
+        if f.core_metadata:
+            item["core-metadata"] = f.core_metadata
+            item["dist-info-metadata"] = f.core_metadata
+        if f.gpg_sig is not None:
+            item["gpg-sig"] = f.gpg_sig
+        if f.yanked:
+            item["yanked"] = f.yanked
+        if v11:
+            item["size"] = f.size
+            if f.upload_time:
+                item["upload-time"] = f.upload_time
+        files.append(item)
+    data: dict[str, Any] = {
+        "meta": {"api-version": "1.1" if v11 else "1.0"},
+        "name": page.name,
+        "files": files,
+    }
+    if v11:
+        data["versions"] = page.versions
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def render_root(page: RootPage, representation: str) -> bytes:
+    if representation == "json":
+        data = {
+            "meta": {"api-version": "1.0"},
+            "projects": [{"name": name} for name in page.projects],
+        }
+        return json.dumps(data, separators=(",", ":")).encode()
+    out = [
+        "<!DOCTYPE html>\n<html>\n  <head>\n",
+        '    <meta name="pypi:repository-version" content="1.1">\n',
+        "    <title>Simple index</title>\n  </head>\n  <body>\n",
+    ]
+    for name in page.projects:
+        href = quote(normalize(name), safe="") + "/"
+        out.append(f'    <a href="{href}">{html.escape(name)}</a><br />\n')
+    out.append("  </body>\n</html>\n")
+    return "".join(out).encode()

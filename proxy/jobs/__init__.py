@@ -1,0 +1,99 @@
+"""Background jobs that run once per fleet (DESIGN §8).
+
+Every replica runs the same ``Scheduler``. A pass starts only if the job's last start
+recorded in ``job_runs`` is older than its interval (one claim per interval for the
+fleet) and the job's lock is free (one pass at a time). A pass cut off by shutdown
+gives its claim back, so a restart does not skip the schedule for an interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from proxy import metrics
+from proxy.catalog import Catalog
+from proxy.exceptions import CatalogError
+from proxy.tasks import TaskSupervisor
+
+if TYPE_CHECKING:
+    from proxy.blobs import BlobStore
+    from proxy.cache import Cache
+    from proxy.config import Settings
+
+log = logging.getLogger("proxy.jobs")
+
+CHECK_PERIOD_MAX_S = 30.0  # how often a replica looks whether a job is due
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    interval_s: float
+    run: Callable[[], Awaitable[str]]  # returns a one-line summary for the log
+
+
+class Scheduler:
+    def __init__(self, catalog: Catalog, holder: str, tasks: TaskSupervisor) -> None:
+        self.catalog = catalog
+        self.holder = holder
+        self.tasks = tasks
+        self.jobs: list[Job] = []
+
+    def add(self, job: Job) -> None:
+        self.jobs.append(job)
+
+    def start(self) -> None:
+        for job in self.jobs:
+            self.tasks.spawn(f"job:{job.name}", self._loop(job))
+
+    async def _loop(self, job: Job) -> None:
+        check_period_s = min(job.interval_s, CHECK_PERIOD_MAX_S)
+        while True:
+            try:
+                await self.run_once(job)
+            except CatalogError as exc:
+                log.warning("job %s: database unavailable: %s", job.name, exc)
+            await asyncio.sleep(check_period_s * random.uniform(0.5, 1.0))
+
+    async def run_once(self, job: Job) -> bool:
+        """Run one pass if it is due and nobody else runs it; True if it ran."""
+        run_id = await self.catalog.claim_job_run(job.name, job.interval_s, self.holder)
+        if run_id is None:
+            return False
+        async with self.catalog.job_lock(job.name) as acquired:
+            if not acquired:
+                metrics.JOB_RUNS.labels(job=job.name, outcome="skipped_locked").inc()
+                await self.catalog.give_back_job_run(job.name, run_id)
+                return False
+            try:
+                summary = await job.run()
+            except asyncio.CancelledError:
+                metrics.JOB_RUNS.labels(job=job.name, outcome="cancelled").inc()
+                await asyncio.shield(self.catalog.give_back_job_run(job.name, run_id))
+                raise
+            except Exception as exc:
+                metrics.JOB_RUNS.labels(job=job.name, outcome="failed").inc()
+                log.error("job %s failed: %r", job.name, exc, exc_info=exc)
+                return False
+        metrics.JOB_RUNS.labels(job=job.name, outcome="ran").inc()
+        log.info("job %s: %s", job.name, summary)
+        return True
+
+
+def standard_jobs(
+    settings: Settings, catalog: Catalog, blobs: BlobStore, cache: Cache
+) -> list[Job]:
+    from proxy.jobs.reclaim import Reclaim
+    from proxy.jobs.sweep import BuildCacheSweep
+
+    jobs = [Job("reclaim", settings.jobs.reclaim_interval_s, Reclaim(settings, catalog, blobs).run)]
+    for repo in settings.repositories:
+        if repo.format == "gradle-build-cache" and repo.max_size is not None:
+            sweep = BuildCacheSweep(repo, catalog, cache)
+            jobs.append(Job(f"sweep:{repo.name}", settings.jobs.sweep_interval_s, sweep.run))
+    return jobs

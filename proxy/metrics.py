@@ -1,0 +1,184 @@
+"""Every Prometheus metric the proxy exports, defined once.
+
+With several worker processes (``proxy serve --workers N``) the CLI sets
+``PROMETHEUS_MULTIPROC_DIR`` before this module is imported, and ``/metrics``
+aggregates the per-process files (see ``render``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client import multiprocess as _multiprocess
+
+# `_created` series double the exposition size and nobody graphs them.
+disable_created_metrics()
+
+REQUESTS = Counter(
+    "proxy_http_requests_total",
+    "HTTP requests answered, by repository, method and status",
+    ["repository", "method", "status"],
+)
+REQUEST_DURATION = Histogram(
+    "proxy_http_request_duration_seconds",
+    "Time from request to the last body byte sent",
+    ["repository"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+CACHE_HITS = Counter(
+    "proxy_cache_hits_total",
+    "Requests served from the cache",
+    ["repository", "format", "kind"],
+)
+CACHE_MISSES = Counter(
+    "proxy_cache_misses_total",
+    "Requests that needed the upstream (absent or expired)",
+    ["repository", "format", "kind"],
+)
+NEGATIVE_HITS = Counter(
+    "proxy_negative_hits_total",
+    "404s answered from a cached confirmed upstream miss",
+    ["repository"],
+)
+STALE_SERVED = Counter(
+    "proxy_stale_served_total",
+    "Expired metadata served because the upstream failed (stale-if-error)",
+    ["repository"],
+)
+BYTES_SERVED = Counter(
+    "proxy_bytes_served_total",
+    "Body bytes sent to clients",
+    ["repository"],
+)
+UPSTREAM_BYTES = Counter(
+    "proxy_upstream_bytes_total",
+    "Body bytes received from upstreams",
+    ["repository"],
+)
+UPSTREAM_FETCH_DURATION = Histogram(
+    "proxy_upstream_fetch_duration_seconds",
+    "Duration of upstream fetches, by outcome (stored, not_modified, not_found, error)",
+    ["repository", "outcome"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+UPSTREAM_ERRORS = Counter(
+    "proxy_upstream_errors_total",
+    "Upstream failures seen (each attempt), by upstream host and reason",
+    ["host", "reason"],
+)
+FETCHES_IN_FLIGHT = Gauge(
+    "proxy_fetches_in_flight",
+    "Upstream fetches running in this process",
+    ["repository"],
+    multiprocess_mode="livesum",
+)
+COALESCED_WAITERS = Counter(
+    "proxy_coalesced_waiters_total",
+    "Requests that joined a fetch already running in the same process",
+    ["repository"],
+)
+DIGEST_MISMATCHES = Counter(
+    "proxy_digest_mismatches_total",
+    "Upstream bodies refused because they did not match their listed digest",
+    ["repository"],
+)
+
+LEASE_WAITS = Counter(
+    "proxy_fetch_lease_waits_total",
+    "Misses that waited on another process's fetch lease",
+    ["repository"],
+)
+LEASE_CLAIMS = Counter(
+    "proxy_fetch_lease_claims_total",
+    "Fetch lease claims, by result (won, held_elsewhere)",
+    ["repository", "result"],
+)
+LEASE_TAKEOVERS = Counter(
+    "proxy_fetch_lease_takeovers_total",
+    "Leases taken over after the holder released them without an entry or stopped renewing",
+    ["repository"],
+)
+LEASE_LOSSES = Counter(
+    "proxy_fetch_lease_losses_total",
+    "Held leases lost (a renewal matched no row, or none succeeded within the TTL)",
+    ["repository"],
+)
+LEASE_FAILED_MARKS = Counter(
+    "proxy_fetch_lease_failed_marks_total",
+    "Leases released as 'failed' because the upstream fetch failed",
+    ["repository"],
+)
+LEASE_WAIT_DURATION = Histogram(
+    "proxy_fetch_lease_wait_duration_seconds",
+    "Time spent waiting on another process's lease, by how the wait ended",
+    ["repository", "outcome"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+LEASE_NOTIFICATIONS = Counter(
+    "proxy_fetch_lease_notifications_total",
+    "Lease transition notifications received (Postgres LISTEN/NOTIFY)",
+)
+LEASES_PURGED = Counter(
+    "proxy_fetch_leases_purged_total",
+    "Expired lease rows deleted by the reclaim job",
+)
+
+BACKGROUND_TASK_FAILURES = Counter(
+    "proxy_background_task_failures_total",
+    "Background tasks that died with an error",
+    ["task"],
+)
+JOB_RUNS = Counter(
+    "proxy_job_runs_total",
+    "Background job passes, by outcome (ran, skipped_locked, failed, cancelled)",
+    ["job", "outcome"],
+)
+CATALOG_ERRORS = Counter(
+    "proxy_catalog_errors_total",
+    "Database operations that failed",
+    ["operation"],
+)
+ENTRIES_EVICTED = Counter(
+    "proxy_entries_evicted_total",
+    "Entries removed to keep a repository under its max_size",
+    ["repository"],
+)
+REPOSITORY_SIZE = Gauge(
+    "proxy_repository_size_bytes",
+    "Bytes of entries in a repository, as last measured by a sweep",
+    ["repository"],
+    multiprocess_mode="mostrecent",
+)
+BUILD_CACHE_WRITES = Counter(
+    "proxy_build_cache_writes_total",
+    "Build cache PUTs, by result (stored, too_large, unauthorized, forbidden)",
+    ["repository", "result"],
+)
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def render() -> tuple[bytes, str]:
+    """The exposition text for /metrics, aggregated over worker processes if any."""
+    path = multiprocess_dir()
+    if path:
+        registry = CollectorRegistry()
+        _multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(), CONTENT_TYPE_LATEST
+
+
+def mark_process_dead(pid: int) -> None:
+    if multiprocess_dir():
+        _multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

@@ -1,0 +1,318 @@
+"""Serving bytes: cached blobs (ETag, 304, Range, If-Range, HEAD), downloads in
+progress, inline bodies, and plain-text errors.
+
+These are bare ASGI callables rather than Starlette responses: the cache hit is the
+hot path, and a small blob is answered from memory in one ``send`` with no thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import hashlib
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+
+import anyio.to_thread
+
+from proxy import metrics
+from proxy.catalog import Entry
+from proxy.download import Download
+from proxy.types import Receive, Scope, Send
+
+HOT_MAX_BLOB_BYTES = 256 * 1024  # blobs up to this size are kept in memory
+HOT_CAPACITY_BYTES = 64 * 1024 * 1024
+READ_CHUNK_BYTES = 1024 * 1024
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class HotBlobs:
+    """Small blob bodies by sha256 (content-addressed, so never stale), LRU-bounded."""
+
+    def __init__(self, capacity_bytes: int = HOT_CAPACITY_BYTES) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.size_bytes = 0
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+
+    def get(self, sha256: str) -> bytes | None:
+        body = self._items.get(sha256)
+        if body is not None:
+            self._items.move_to_end(sha256)
+        return body
+
+    def put(self, sha256: str, body: bytes) -> None:
+        if sha256 in self._items or len(body) > HOT_MAX_BLOB_BYTES:
+            return
+        self._items[sha256] = body
+        self.size_bytes += len(body)
+        while self.size_bytes > self.capacity_bytes:
+            _, old = self._items.popitem(last=False)
+            self.size_bytes -= len(old)
+
+
+class BodyResponse:
+    """A complete body (or none, for HEAD/304) sent in one message."""
+
+    __slots__ = ("body", "headers", "repository", "status")
+
+    def __init__(self, status: int, headers: Headers, body: bytes, repository: str = "-") -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+        self.repository = repository
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+        if self.body:
+            metrics.BYTES_SERVED.labels(repository=self.repository).inc(len(self.body))
+
+
+class FileResponse:
+    """A byte range of an open blob file, read in large chunks off the event loop."""
+
+    def __init__(
+        self, status: int, headers: Headers, fd: int, start: int, length: int, repository: str
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.fd = fd
+        self.start = start
+        self.length = length
+        self.repository = repository
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnected = asyncio.Event()
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, disconnected))
+        sent = 0
+        try:
+            await send(
+                {"type": "http.response.start", "status": self.status, "headers": self.headers}
+            )
+            offset, end = self.start, self.start + self.length
+            while offset < end and not disconnected.is_set():
+                size = min(READ_CHUNK_BYTES, end - offset)
+                data = await anyio.to_thread.run_sync(os.pread, self.fd, size, offset)
+                if not data:
+                    # The file shrank under us (it never should): end the response short.
+                    return
+                offset += len(data)
+                sent += len(data)
+                await send({"type": "http.response.body", "body": data, "more_body": offset < end})
+            if self.length == 0:
+                await send({"type": "http.response.body", "body": b""})
+        finally:
+            watcher.cancel()
+            os.close(self.fd)
+            metrics.BYTES_SERVED.labels(repository=self.repository).inc(sent)
+
+
+class DownloadResponse:
+    """A body still arriving from upstream; a failed fetch ends it short."""
+
+    def __init__(self, headers: Headers, download: Download, repository: str, head: bool) -> None:
+        self.headers = headers
+        self.download = download
+        self.repository = repository
+        self.head = head
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        if self.head:
+            await send({"type": "http.response.body", "body": b""})
+            return
+        disconnected = asyncio.Event()
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, disconnected))
+        sent = 0
+        chunks: AsyncIterator[bytes] = self.download.chunks()
+        try:
+            async for data in chunks:
+                if disconnected.is_set():
+                    return
+                sent += len(data)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except Exception:
+            # The fetch failed (already logged by the fetcher); returning without the
+            # final message makes the server close the connection: a short transfer.
+            return
+        finally:
+            watcher.cancel()
+            await chunks.aclose()  # type: ignore[attr-defined]
+            metrics.BYTES_SERVED.labels(repository=self.repository).inc(sent)
+
+
+async def _watch_disconnect(receive: Receive, disconnected: asyncio.Event) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            disconnected.set()
+            return
+
+
+# -- building responses ----------------------------------------------------------------
+
+
+def etag_of(sha256: str) -> str:
+    return f'"{sha256}"'
+
+
+def http_date(ms: int) -> str:
+    return email.utils.formatdate(ms / 1000, usegmt=True)
+
+
+def error(status: int, message: str, extra: Mapping[str, str] | None = None) -> BodyResponse:
+    headers = [(b"content-type", b"text/plain; charset=utf-8")]
+    for name, value in (extra or {}).items():
+        headers.append((name.lower().encode(), value.encode("latin-1")))
+    body = (message.rstrip("\n") + "\n").encode()
+    headers.append((b"content-length", str(len(body)).encode()))
+    return BodyResponse(status, headers, body)
+
+
+def inline(
+    request_headers: Mapping[str, str],
+    method: str,
+    body: bytes,
+    content_type: str | None,
+    extra: Mapping[str, str],
+    repository: str,
+) -> BodyResponse:
+    """An in-memory body (never stored) with a computed ETag."""
+    etag = etag_of(hashlib.sha256(body).hexdigest())
+    headers = _base_headers(content_type, extra)
+    headers.append((b"etag", etag.encode()))
+    if _matches_etag(request_headers.get("if-none-match"), etag):
+        return BodyResponse(304, headers, b"", repository)
+    headers.append((b"content-length", str(len(body)).encode()))
+    return BodyResponse(200, headers, b"" if method == "HEAD" else body, repository)
+
+
+def blob(
+    request_headers: Mapping[str, str],
+    method: str,
+    entry: Entry,
+    path: str,
+    hot: HotBlobs,
+    extra: Mapping[str, str],
+) -> BodyResponse | FileResponse:
+    """Serve a stored entry. Raises FileNotFoundError if its blob is gone."""
+    assert entry.sha256 is not None
+    etag = etag_of(entry.sha256)
+    last_modified = entry.last_modified or http_date(entry.fetched_at_ms)
+    headers = _base_headers(entry.content_type, extra)
+    headers.append((b"etag", etag.encode()))
+    headers.append((b"last-modified", last_modified.encode("latin-1")))
+    headers.append((b"accept-ranges", b"bytes"))
+    if _matches_etag(request_headers.get("if-none-match"), etag):
+        return BodyResponse(304, headers, b"", entry.repository)
+    unmodified_since = request_headers.get("if-unmodified-since")
+    if unmodified_since and _modified_after(entry.fetched_at_ms, last_modified, unmodified_since):
+        return error(412, "the entry changed since the given If-Unmodified-Since date")
+
+    size = entry.size
+    start, length, status = 0, size, 200
+    range_header = request_headers.get("range")
+    if range_header and _if_range_holds(request_headers.get("if-range"), etag, last_modified):
+        parsed = _parse_range(range_header, size)
+        if isinstance(parsed, str):
+            resp = error(416, f"range {range_header!r} is outside the {size} bytes")
+            resp.headers.append((b"content-range", f"bytes */{size}".encode()))
+            return resp
+        if parsed is not None:
+            start, end = parsed
+            length = end - start + 1
+            status = 206
+            headers.append((b"content-range", f"bytes {start}-{end}/{size}".encode()))
+    headers.append((b"content-length", str(length).encode()))
+    if method == "HEAD":
+        if not os.path.exists(path):
+            raise FileNotFoundError(path)
+        return BodyResponse(status, headers, b"", entry.repository)
+
+    if size <= HOT_MAX_BLOB_BYTES:
+        body = hot.get(entry.sha256)
+        if body is None:
+            with open(path, "rb") as fh:
+                body = fh.read()
+            hot.put(entry.sha256, body)
+        return BodyResponse(status, headers, body[start : start + length], entry.repository)
+    fd = os.open(path, os.O_RDONLY)
+    return FileResponse(status, headers, fd, start, length, entry.repository)
+
+
+def downloading(
+    method: str, download: Download, extra: Mapping[str, str], repository: str
+) -> DownloadResponse:
+    headers = _base_headers(download.content_type, extra)
+    if download.total is not None:
+        headers.append((b"content-length", str(download.total).encode()))
+    return DownloadResponse(headers, download, repository, head=method == "HEAD")
+
+
+def _base_headers(content_type: str | None, extra: Mapping[str, str]) -> Headers:
+    """Content-Type (the adapter's choice in ``extra`` wins over the stored one) and extras."""
+    headers: Headers = []
+    if "content-type" not in extra:
+        content_type = content_type or "application/octet-stream"
+        headers.append((b"content-type", content_type.encode("latin-1")))
+    for name, value in extra.items():
+        headers.append((name.lower().encode(), value.encode("latin-1")))
+    return headers
+
+
+def _matches_etag(header: str | None, etag: str) -> bool:
+    if not header:
+        return False
+    if header.strip() == "*":
+        return True
+    for candidate in header.split(","):
+        candidate = candidate.strip()
+        if candidate.startswith("W/"):
+            candidate = candidate[2:]
+        if candidate == etag:
+            return True
+    return False
+
+
+def _if_range_holds(if_range: str | None, etag: str, last_modified: str) -> bool:
+    if not if_range:
+        return True
+    if_range = if_range.strip()
+    if if_range.startswith('"') or if_range.startswith("W/"):
+        return if_range == etag  # If-Range needs a strong match
+    return if_range == last_modified
+
+
+def _modified_after(fetched_at_ms: int, last_modified: str, since: str) -> bool:
+    try:
+        since_ts = email.utils.parsedate_to_datetime(since).timestamp()
+        modified_ts = email.utils.parsedate_to_datetime(last_modified).timestamp()
+    except (TypeError, ValueError):
+        return False
+    return modified_ts > since_ts
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | str | None:
+    """A single ``bytes=`` range as (start, end inclusive); None to ignore the header."""
+    unit, _, spec = header.partition("=")
+    if unit.strip().lower() != "bytes" or "," in spec:
+        return None  # unknown unit or several ranges: answer with the whole body
+    first, sep, last = spec.strip().partition("-")
+    if not sep:
+        return None
+    try:
+        if first == "":
+            suffix = int(last)
+            if suffix <= 0:
+                return "unsatisfiable"
+            return max(0, size - suffix), size - 1
+        start = int(first)
+        end = int(last) if last else size - 1
+    except ValueError:
+        return None
+    if start < 0 or start >= size or end < start:
+        return "unsatisfiable"
+    return start, min(end, size - 1)

@@ -1,0 +1,76 @@
+"""Human-written durations ("15s", "10m", "250ms") and sizes ("512MiB", "10GB").
+
+Both parsers raise ``ValueError`` with a message that shows an accepted spelling;
+``config.py`` prefixes it with the key that held the value.
+"""
+
+from __future__ import annotations
+
+import re
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from ``"15s"``, ``"10m"``, ``"24h"``, ``"250ms"``, ``"0"`` or a number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f'{value!r} is not a duration; use e.g. "15s", "10m" or "24h"')
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"{value!r} is negative; a duration is 0 or more")
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION_RE.match(value)
+        if match:
+            number, unit = match.groups()
+            if unit is None and float(number) != 0:
+                raise ValueError(f'{value!r} has no unit; use e.g. "{number}s" or "{number}m"')
+            return float(number) * _DURATION_UNITS_S[unit or "s"]
+    raise ValueError(f'{value!r} is not a duration; use e.g. "15s", "10m" or "24h"')
+
+
+def parse_size(value: object) -> int:
+    """Bytes from ``"512MiB"``, ``"10GB"``, ``"100MB"`` or an integer number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f'{value!r} is not a size; use e.g. "10GB" or "512MiB"')
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{value!r} is negative; a size is 0 or more")
+        return value
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match:
+            number, unit = match.groups()
+            return int(float(number) * _SIZE_UNITS[(unit or "b").lower()])
+    raise ValueError(f'{value!r} is not a size; use e.g. "10GB" or "512MiB"')
+
+
+def format_size(n_bytes: int) -> str:
+    """The shortest exact binary spelling, for messages and `check-config`."""
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= factor and n_bytes % factor == 0:
+            return f"{n_bytes // factor}{unit}"
+    return f"{n_bytes}B"
+
+
+def format_duration(seconds: float) -> str:
+    for unit, factor in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= factor and seconds % factor == 0:
+            return f"{int(seconds // factor)}{unit}"
+    if seconds == 0:
+        return "0"
+    return f"{round(seconds * 1000)}ms"
