@@ -7,13 +7,13 @@ ASGI response back from ``Cache.respond``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from proxy import metrics, responses
 from proxy.blobs import BlobStore
-from proxy.catalog import Catalog, Entry, Link
+from proxy.catalog import Catalog, Entry, Link, now_ms
 from proxy.entry_index import AccessLog, EntryIndex
-from proxy.exceptions import CatalogError, NotFound
+from proxy.exceptions import CatalogError, NotFound, PayloadTooLarge
 from proxy.fetch import Fetcher, FetchSpec, Inline, Missing, Outcome, Stale, Stored, Streaming
 from proxy.responses import BodyResponse, DownloadResponse, FileResponse, HotBlobs
 from proxy.types import Kind
@@ -69,13 +69,20 @@ class Cache:
         method: str,
         request_headers: Mapping[str, str],
         extra_headers: Mapping[str, str] | None = None,
+        checksum_headers: bool = False,
     ) -> Response:
-        """Serve ``spec.key``: from the cache if fresh, else through the miss path."""
+        """Serve ``spec.key``: from the cache if fresh, else through the miss path.
+
+        ``checksum_headers`` adds ``X-Checksum-*`` headers computed from the served bytes.
+        """
         extra = dict(extra_headers or {})
         for _attempt in range(2):
             outcome = await self.get(spec)
+            headers = extra
+            if checksum_headers and isinstance(outcome, Stored | Stale):
+                headers = {**extra, **checksum_headers_of(outcome.entry)}
             try:
-                return self.render(outcome, method, request_headers, extra, spec.repository)
+                return self.render(outcome, method, request_headers, headers, spec.repository)
             except FileNotFoundError:
                 # The blob went away under the entry (evicted by another replica, or
                 # removed by hand): forget the entry and go through the miss path once.
@@ -108,11 +115,59 @@ class Cache:
             )
         raise NotFound(outcome.message)
 
+    async def store_hosted(
+        self,
+        repository: str,
+        key: str,
+        chunks: AsyncIterator[bytes],
+        max_size: int,
+        content_type: str | None,
+    ) -> Entry:
+        """Store a client's upload; durable (fsynced file + committed row) on return.
+
+        Raises ``PayloadTooLarge`` (and stores nothing) past ``max_size`` bytes.
+        """
+        temp = self.blobs.new_temp()
+        try:
+            async for chunk in chunks:
+                if temp.size + len(chunk) > max_size:
+                    raise PayloadTooLarge(f"{key}: the body is over the {max_size}-byte limit")
+                await temp.write(chunk)
+            sha256 = await self.blobs.publish(temp)
+        except BaseException:
+            temp.discard()
+            raise
+        stored_at = now_ms()
+        entry = Entry(
+            repository=repository,
+            key=key,
+            kind=Kind.HOSTED,
+            sha256=sha256,
+            size=temp.size,
+            content_type=content_type,
+            fetched_at_ms=stored_at,
+            expires_at_ms=None,
+            digests=temp.digests(),
+            last_access_ms=stored_at,
+        )
+        await self.catalog.put_entry(entry)
+        return entry
+
     async def record_links(self, links: Sequence[Link]) -> None:
         await self.catalog.put_links(links)
 
     async def find_link(self, repository: str, key: str) -> Link | None:
         return await self.catalog.get_link(repository, key)
+
+    def render_entry(
+        self,
+        entry: Entry,
+        method: str,
+        request_headers: Mapping[str, str],
+        extra: Mapping[str, str],
+    ) -> Response:
+        """Serve a stored entry as is; raises FileNotFoundError if its blob is gone."""
+        return responses.blob(request_headers, method, entry, self.path_of(entry), self.hot, extra)
 
     def path_of(self, entry: Entry) -> str:
         assert entry.sha256 is not None
@@ -126,3 +181,15 @@ class Cache:
             log.warning(
                 "could not forget repository=%s key=%s: %s", entry.repository, entry.key, exc
             )
+
+
+CHECKSUM_HEADER_DIGESTS = ("sha1", "md5", "sha256")
+
+
+def checksum_headers_of(entry: Entry) -> dict[str, str]:
+    """``X-Checksum-Sha1`` and friends: only digests we computed from these very bytes."""
+    return {
+        f"x-checksum-{name}": entry.digests[name]
+        for name in CHECKSUM_HEADER_DIGESTS
+        if name in entry.digests
+    }

@@ -64,6 +64,16 @@ class Download:
 
     # -- reader side ----------------------------------------------------------------
 
+    async def result(self) -> Entry | None:
+        """Wait for the end of the download: its entry, or the fetch's error."""
+        while True:
+            changed = self._changed
+            if self.error is not None:
+                raise self.error
+            if self.finished:
+                return self.entry
+            await changed.wait()
+
     async def chunks(self, start: int = 0) -> AsyncIterator[bytes]:
         """The body from ``start`` as it arrives; raises the fetch's error if it fails."""
         if self.error is not None:

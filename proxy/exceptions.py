@@ -4,7 +4,9 @@
     ├── ConfigError            a setting is bad; lists every bad key
     ├── ClientError            the request is bad (4xx); carries the status
     │   ├── NotFound           404: confirmed missing upstream, or never listed
-    │   └── BadRequest         400 (and 406/413/414/431 via ``status``)
+    │   ├── Unauthorized       401 (with a Basic challenge) / Forbidden 403
+    │   ├── PayloadTooLarge    413: over a repository's max_entry_size
+    │   └── BadRequest         400 (and 406/414/431 via ``status``)
     ├── NotConfigured          503: the repository has no upstream URL
     ├── ShuttingDown           503: the process is stopping
     ├── UpstreamError          the upstream failed (5xx/timeout/connection/protocol)
@@ -46,6 +48,18 @@ class BadRequest(ClientError):
 
 class NotFound(ClientError):
     status = 404
+
+
+class Unauthorized(ClientError):
+    status = 401
+
+
+class Forbidden(ClientError):
+    status = 403
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
 
 
 class NotConfigured(ProxyError):

@@ -17,7 +17,7 @@ import enum
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -60,6 +60,8 @@ class Fetched:
     etag: str | None = None
     last_modified: str | None = None
     expected: Digests = field(default_factory=dict)  # digests the body must match
+    # Digests learnt while the body downloads (e.g. Maven's .sha1 files), awaited at the end.
+    expected_later: Callable[[], Awaitable[Digests]] | None = None
     message: str = ""  # for NOT_FOUND: what was missing, for the client
 
 
@@ -358,11 +360,14 @@ class Fetcher:
                 if spec.stream and not whole_body_in:
                     flight.settle(Streaming(download))
             computed = temp.digests()
+            if fetched.expected_later is not None:
+                later = await fetched.expected_later()
+                expected.update({name: value.lower() for name, value in later.items()})
             for name, value in expected.items():
                 if name in computed and computed[name] != value:
                     raise DigestMismatch(
                         f"{spec.key}: upstream bytes have {name} {computed[name]}, "
-                        f"the index lists {value}; nothing was stored"
+                        f"the upstream lists {value}; nothing was stored"
                     )
             sha256 = await self.blobs.publish(temp)
         except BaseException as exc:

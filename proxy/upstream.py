@@ -162,7 +162,8 @@ def content_length(response: httpx.Response) -> int | None:
 
 
 def _backoff_s(attempt: int) -> float:
-    return min(BACKOFF_BASE_S * 2 ** (attempt - 1), BACKOFF_MAX_S) * (0.5 + random.random() / 2)
+    base_s: float = min(BACKOFF_BASE_S * 2.0 ** (attempt - 1), BACKOFF_MAX_S)
+    return base_s * random.uniform(0.5, 1.0)
 
 
 def _retry_after_s(value: str | None) -> float | None:

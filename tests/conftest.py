@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from proxy.app import create_app
+from proxy.catalog import Catalog, open_catalog
 from proxy.config import Settings, load
+from tests.pg import PostgresServer, create_database, drop_database
 from tests.upstream import FakeUpstream, ServerThread, start_upstream
 
 
@@ -83,3 +85,56 @@ def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_", "PROXY_"))}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
+
+
+# -- PostgreSQL ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> Iterator[str]:
+    """A server for the whole session: PROXY_TEST_POSTGRES_URL, or one we start."""
+    from_env = os.environ.get("PROXY_TEST_POSTGRES_URL")
+    if from_env:
+        yield from_env
+        return
+    server = PostgresServer().init().start()
+    yield server.admin_url
+    server.destroy()
+
+
+@pytest.fixture
+def pg_url(postgres_admin_url: str) -> Iterator[str]:
+    """A fresh empty database for one test."""
+    url = create_database(postgres_admin_url)
+    yield url
+    drop_database(url)
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A server of this test's own, which it may stop and restart."""
+    server = PostgresServer().init().start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each catalog backend in turn."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'catalog.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def catalog(database_url: str) -> AsyncIterator[Catalog]:
+    opened = open_catalog(database_url)
+    await opened.migrate()
+    yield opened
+    await opened.close()

@@ -1,0 +1,347 @@
+"""Maven repositories: ``/{repo}/{group/as/dirs}/{artifactId}/{version}/{file}``.
+
+Release artifacts are immutable; ``maven-metadata.xml`` and non-unique SNAPSHOT files
+are metadata with their TTLs. Every stored file keeps its md5/sha1/sha256/sha512,
+computed from the bytes we serve, and checksum requests are answered from those, so a
+checksum always matches the body served (for mutable metadata too). Artifacts are
+verified against the upstream's checksum files before they are stored.
+
+Several upstreams are tried in order; the answer is 404 only if every one of them
+confirmed the miss, and an outage of one is never reported as a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from proxy import responses
+from proxy.cache import Cache
+from proxy.catalog import Entry
+from proxy.config import RepositorySettings
+from proxy.exceptions import (
+    BadRequest,
+    NotConfigured,
+    NotFound,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from proxy.fetch import Fetched, FetchSpec, Inline, Missing, Stale, Status, Stored, Streaming
+from proxy.formats import ASGIResponse, Request
+from proxy.types import Digests, Kind
+from proxy.upstream import Upstream, content_length, iter_body, read_body
+
+log = logging.getLogger("proxy.maven")
+
+CHECKSUM_EXTENSIONS = {".sha1": "sha1", ".md5": "md5", ".sha256": "sha256", ".sha512": "sha512"}
+CHECKSUM_HEX_LENGTHS = {"sha1": 40, "md5": 32, "sha256": 64, "sha512": 128}
+CHECKSUM_BODY_LIMIT_BYTES = 4096
+ALL_DIGESTS = ("md5", "sha1", "sha256", "sha512")
+NOT_FOUND_STATUSES = (404, 410)
+PREFIXES_FILE = ".meta/prefixes.txt"
+ROOT_FILES = ("archetype-catalog.xml",)
+
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+~-]*$")
+_TIMESTAMPED_RE = re.compile(r"\d{8}\.\d{6}-\d+")
+_CONTENT_TYPES = {
+    ".pom": "text/xml",
+    ".xml": "text/xml",
+    ".jar": "application/java-archive",
+    ".asc": "text/plain",
+    ".module": "application/json",
+}
+
+
+@dataclass(frozen=True)
+class MavenPath:
+    """A validated path: the file to fetch, and the checksum asked for, if any."""
+
+    path: str  # the file that is fetched and stored (checksum suffix removed)
+    checksum: str | None  # "sha1", "md5", ... when a checksum file was asked for
+    kind: Kind
+    snapshot: bool
+
+
+def parse_path(path: str) -> MavenPath:
+    """Validate ``path`` against the Maven 2 layout; raises ``BadRequest``."""
+    checksum = None
+    for extension, name in CHECKSUM_EXTENSIONS.items():
+        if path.endswith(extension):
+            checksum, path = name, path[: -len(extension)]
+            break
+    segments = path.split("/")
+    if not path or any(not _SEGMENT_RE.match(s) for s in segments):
+        raise BadRequest(
+            f"{path!r} is not a Maven repository path: segments are letters, digits and ._+~-"
+        )
+    filename = segments[-1]
+    if len(segments) == 1:
+        if filename in ROOT_FILES:
+            return MavenPath(path, checksum, Kind.METADATA, snapshot=False)
+        raise BadRequest(f"{path!r} is not a Maven repository path (group/artifact/version/file)")
+    if filename == "maven-metadata.xml":
+        snapshot = segments[-2].endswith("-SNAPSHOT")
+        return MavenPath(path, checksum, Kind.METADATA, snapshot=snapshot)
+    if len(segments) < 4:
+        raise BadRequest(
+            f"{path!r} is not a Maven artifact path: expected "
+            "group/as/dirs/artifactId/version/artifactId-version[-classifier].ext"
+        )
+    artifact_id, version = segments[-3], segments[-2]
+    snapshot = version.endswith("-SNAPSHOT")
+    version_prefix = version[: -len("SNAPSHOT")] if snapshot else version
+    if not filename.startswith(f"{artifact_id}-{version_prefix}"):
+        raise BadRequest(
+            f"{filename!r} does not belong in {artifact_id}/{version}/: Maven file names "
+            f"start with {artifact_id}-{version_prefix}"
+        )
+    if snapshot:
+        rest = filename[len(artifact_id) + 1 + len(version_prefix) :]
+        # Timestamped snapshot files are unique names: immutable once published.
+        kind = Kind.IMMUTABLE if _TIMESTAMPED_RE.match(rest) else Kind.METADATA
+        return MavenPath(path, checksum, kind, snapshot=True)
+    return MavenPath(path, checksum, Kind.IMMUTABLE, snapshot=False)
+
+
+class MavenRepository:
+    def __init__(self, settings: RepositorySettings, cache: Cache, upstream: Upstream) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.cache = cache
+        self.upstream = upstream
+
+    async def handle(self, request: Request) -> ASGIResponse:
+        if request.method not in ("GET", "HEAD"):
+            return responses.error(
+                405,
+                f"{request.method} is not allowed: this is a read-only proxy of upstream "
+                "Maven repositories (deploy to your repository manager instead)",
+                {"allow": "GET, HEAD"},
+            )
+        if not self.settings.upstreams:
+            raise NotConfigured(
+                f"repository {self.name!r} has no upstream configured; "
+                f"set {self.settings.upstream_setting}"
+            )
+        if request.path == PREFIXES_FILE:
+            if len(self.settings.upstreams) > 1:
+                # One upstream's prefix list would hide every other upstream's artifacts.
+                raise NotFound(
+                    f"{PREFIXES_FILE} is not served by a repository with several upstreams"
+                )
+            spec = self._spec(MavenPath(PREFIXES_FILE, None, Kind.METADATA, snapshot=False))
+            return await self.cache.respond(spec, request.method, request.headers)
+        maven_path = parse_path(request.path)
+        spec = self._spec(maven_path)
+        if maven_path.checksum is not None:
+            return await self._checksum(request, spec, maven_path.checksum)
+        if request.method == "HEAD":
+            entry = await self.cache.lookup(self.name, spec.key)
+            if entry is None or not entry.is_fresh():
+                return await self._probe(maven_path)
+        return await self.cache.respond(
+            spec, request.method, request.headers, checksum_headers=True
+        )
+
+    def _spec(self, maven_path: MavenPath) -> FetchSpec:
+        ttl_s = None
+        if maven_path.kind is Kind.METADATA:
+            ttl_s = (
+                self.settings.snapshot_ttl_s
+                if maven_path.snapshot
+                else self.settings.metadata_ttl_s
+            )
+        return FetchSpec(
+            repository=self.name,
+            format="maven",
+            key=maven_path.path,
+            kind=maven_path.kind,
+            origin=MavenOrigin(self, maven_path.path, verify=maven_path.kind is Kind.IMMUTABLE),
+            ttl_s=ttl_s,
+            negative_ttl_s=self.settings.negative_ttl_s,
+            digests=ALL_DIGESTS,
+        )
+
+    async def _checksum(self, request: Request, spec: FetchSpec, algorithm: str) -> ASGIResponse:
+        """A checksum file, computed from the very bytes we serve for its base file."""
+        outcome = await self.cache.get(spec)
+        if isinstance(outcome, Missing):
+            raise NotFound(outcome.message)
+        if isinstance(outcome, Inline):
+            digest = hashlib.new(algorithm, outcome.body).hexdigest()
+        else:
+            if isinstance(outcome, Stored | Stale):
+                entry: Entry | None = outcome.entry
+            else:
+                assert isinstance(outcome, Streaming)
+                entry = await outcome.download.result()
+            if entry is None or algorithm not in entry.digests:
+                raise UpstreamUnavailable(
+                    f"{spec.key}: checksum not available yet; retry", status=503
+                )
+            digest = entry.digests[algorithm]
+        return responses.inline(
+            request.headers,
+            request.method,
+            digest.encode(),
+            "text/plain; charset=utf-8",
+            {},
+            self.name,
+        )
+
+    async def _probe(self, maven_path: MavenPath) -> ASGIResponse:
+        """HEAD on a miss: ask the upstreams with HEAD instead of downloading the body."""
+        errors: list[UpstreamError] = []
+        for base in self.settings.upstreams:
+            try:
+                async with self.upstream.stream("HEAD", base + maven_path.path) as response:
+                    status = response.status_code
+                    if status in NOT_FOUND_STATUSES:
+                        continue
+                    if status != 200:
+                        errors.append(UpstreamUnavailable(f"{base}: HEAD answered {status}"))
+                        continue
+                    headers = [(b"content-type", _content_type(maven_path.path, response).encode())]
+                    length = response.headers.get("content-length")
+                    if length and length.isdigit():
+                        headers.append((b"content-length", length.encode()))
+                    return responses.BodyResponse(200, headers, b"", self.name)
+            except UpstreamError as exc:
+                errors.append(exc)
+        if errors:
+            raise _outage(maven_path.path, errors)
+        raise NotFound(f"{maven_path.path} not found in any upstream")
+
+
+class MavenOrigin:
+    """Tries each upstream in order; verifies artifacts against upstream checksums."""
+
+    def __init__(self, repo: MavenRepository, path: str, verify: bool) -> None:
+        self.repo = repo
+        self.path = path
+        self.verify = verify
+
+    @asynccontextmanager
+    async def open(self, stale: Entry | None) -> AsyncIterator[Fetched]:
+        headers = {}
+        if stale is not None and stale.etag:
+            headers["If-None-Match"] = stale.etag
+        if stale is not None and stale.last_modified:
+            headers["If-Modified-Since"] = stale.last_modified
+        errors: list[UpstreamError] = []
+        async with AsyncExitStack() as stack:
+            found: tuple[str, httpx.Response] | None = None
+            for base in self.repo.settings.upstreams:
+                try:
+                    response = await stack.enter_async_context(
+                        self.repo.upstream.stream("GET", base + self.path, headers)
+                    )
+                except UpstreamError as exc:
+                    errors.append(exc)
+                    continue
+                if response.status_code in NOT_FOUND_STATUSES:
+                    await response.aclose()
+                    continue
+                if response.status_code not in (200, 304):
+                    errors.append(
+                        UpstreamUnavailable(
+                            f"{base} answered {response.status_code} for {self.path}"
+                        )
+                    )
+                    await response.aclose()
+                    continue
+                found = (base, response)
+                break
+            if found is None:
+                if errors:
+                    raise _outage(self.path, errors)
+                yield Fetched(Status.NOT_FOUND, message=f"{self.path} not found in any upstream")
+                return
+            base, response = found
+            validators = {
+                "etag": response.headers.get("etag"),
+                "last_modified": response.headers.get("last-modified"),
+            }
+            if response.status_code == 304:
+                yield Fetched(Status.NOT_MODIFIED, **validators)
+                return
+            checksums: asyncio.Task[Digests] | None = None
+            if self.verify:
+                # Fetched beside the body; awaited when the body is complete.
+                checksums = asyncio.ensure_future(self._upstream_checksums(base))
+                checksums.add_done_callback(_retrieve_exception)
+                stack.callback(checksums.cancel)
+
+            async def expected_later() -> Digests:
+                return await checksums if checksums is not None else {}
+
+            yield Fetched(
+                Status.OK,
+                body=iter_body(response),
+                content_type=_content_type(self.path, response),
+                length=content_length(response),
+                expected_later=expected_later,
+                **validators,
+            )
+
+    async def _upstream_checksums(self, base: str) -> Digests:
+        async def one(extension: str, algorithm: str) -> tuple[str, str | None]:
+            url = base + self.path + extension
+            async with self.repo.upstream.stream("GET", url) as response:
+                if response.status_code in NOT_FOUND_STATUSES:
+                    return algorithm, None
+                if response.status_code != 200:
+                    raise UpstreamUnavailable(f"{url} answered {response.status_code}")
+                body = await read_body(response, CHECKSUM_BODY_LIMIT_BYTES)
+            value = parse_checksum(body, algorithm)
+            if value is None:
+                raise UpstreamUnavailable(f"{url} is not a {algorithm} checksum file")
+            return algorithm, value
+
+        found = await asyncio.gather(*(one(ext, alg) for ext, alg in CHECKSUM_EXTENSIONS.items()))
+        digests = {algorithm: value for algorithm, value in found if value is not None}
+        if not digests:
+            log.warning("no upstream checksum for %s in %s; stored unverified", self.path, base)
+        return digests
+
+
+def _retrieve_exception(task: asyncio.Task[Digests]) -> None:
+    # The body may fail first, leaving nobody to await this task's own error.
+    if not task.cancelled():
+        task.exception()
+
+
+def parse_checksum(body: bytes, algorithm: str) -> str | None:
+    """The hex digest in a checksum file (``hex``, ``hex  name`` or ``name: hex`` forms)."""
+    length = CHECKSUM_HEX_LENGTHS[algorithm]
+    text = body.decode("ascii", errors="replace")
+    for token in re.split(r"[\s:=]+", text):
+        if len(token) == length and re.fullmatch(r"[0-9a-fA-F]+", token):
+            return token.lower()
+    return None
+
+
+def _content_type(path: str, response: httpx.Response) -> str:
+    upstream_type: str = response.headers.get("content-type", "").split(";")[0].strip()
+    if upstream_type and upstream_type not in ("application/octet-stream", "binary/octet-stream"):
+        return upstream_type
+    for extension, content_type in _CONTENT_TYPES.items():
+        if path.endswith(extension):
+            return content_type
+    return "application/octet-stream"
+
+
+def _outage(path: str, errors: list[UpstreamError]) -> UpstreamError:
+    detail = "; ".join(str(e) for e in errors)
+    if all(isinstance(e, UpstreamTimeout) for e in errors):
+        return UpstreamTimeout(f"{path}: upstreams timed out ({detail})")
+    status = 503 if any(getattr(e, "status", 502) == 503 for e in errors) else 502
+    return UpstreamUnavailable(f"{path}: no upstream could answer ({detail})", status=status)

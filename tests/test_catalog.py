@@ -1,0 +1,120 @@
+"""The Catalog protocol on both backends: entries, links, usage, jobs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.catalog import Catalog, Entry, Link, now_ms, open_catalog
+from proxy.types import Kind
+
+pytestmark = pytest.mark.anyio
+
+
+def _entry(key: str, sha: str = "a" * 64, size: int = 10, **kw: object) -> Entry:
+    at = now_ms()
+    fields: dict[str, object] = dict(
+        repository="r",
+        key=key,
+        kind=Kind.IMMUTABLE,
+        sha256=sha,
+        size=size,
+        content_type="application/octet-stream",
+        fetched_at_ms=at,
+        expires_at_ms=None,
+        digests={"sha256": sha, "sha1": "b" * 40},
+        last_access_ms=at,
+    )
+    fields.update(kw)
+    return Entry(**fields)  # type: ignore[arg-type]
+
+
+async def test_entry_round_trip_and_upsert(catalog: Catalog) -> None:
+    assert await catalog.get_entry("r", "k") is None
+    entry = _entry("k", etag='"e1"', last_modified="Mon, 01 Jan 2024 00:00:00 GMT")
+    await catalog.put_entry(entry)
+    assert await catalog.get_entry("r", "k") == entry
+    await catalog.put_entry(entry)  # idempotent
+    replaced = _entry("k", sha="c" * 64, size=20)
+    await catalog.put_entry(replaced)
+    got = await catalog.get_entry("r", "k")
+    assert got is not None
+    assert got.sha256 == "c" * 64
+    assert got.size == 20
+
+
+async def test_refresh_delete_and_conditional_delete(catalog: Catalog) -> None:
+    entry = _entry("m", kind=Kind.METADATA, expires_at_ms=now_ms() - 1)
+    await catalog.put_entry(entry)
+    refreshed = entry.refreshed(now_ms(), now_ms() + 60_000, '"new"', None)
+    await catalog.refresh_entry(refreshed)
+    got = await catalog.get_entry("r", "m")
+    assert got is not None and got.is_fresh() and got.etag == '"new"'
+    assert not await catalog.delete_entry("r", "m", "f" * 64)  # points elsewhere now? no
+    assert await catalog.delete_entry("r", "m", entry.sha256)
+    assert await catalog.get_entry("r", "m") is None
+
+
+async def test_touch_usage_and_least_recently_used(catalog: Catalog) -> None:
+    for i in range(5):
+        await catalog.put_entry(_entry(f"k{i}", sha=str(i) * 64, size=100, last_access_ms=1000 + i))
+    await catalog.put_entry(_entry("neg", kind=Kind.NEGATIVE, sha=None, size=0, expires_at_ms=1))
+    await catalog.touch_entries([("r", "k0", now_ms()), ("r", "missing", now_ms())])
+    usage = await catalog.usage("r")
+    assert usage.entries == 6 and usage.bytes == 500
+    order = [e.key for e in await catalog.least_recently_used("r", 10)]
+    assert order == ["k1", "k2", "k3", "k4", "k0"]  # negatives are not evicted as data
+    assert await catalog.blob_is_referenced("1" * 64)
+    assert not await catalog.blob_is_referenced("9" * 64)
+    assert await catalog.delete_expired_negatives(now_ms()) == 1
+
+
+async def test_links(catalog: Catalog) -> None:
+    links = [
+        Link("r", f"files/p/f{i}.whl", f"https://upstream.example/f{i}.whl", {"sha256": "0" * 64})
+        for i in range(3)
+    ]
+    await catalog.put_links(links)
+    await catalog.put_links([Link("r", "files/p/f0.whl", "https://upstream.example/moved.whl", {})])
+    got = await catalog.get_link("r", "files/p/f0.whl")
+    assert got == Link("r", "files/p/f0.whl", "https://upstream.example/moved.whl", {})
+    assert await catalog.get_link("r", "files/p/f1.whl") == links[1]
+    assert await catalog.get_link("other", "files/p/f1.whl") is None
+
+
+async def test_job_runs_once_per_interval_and_give_back(catalog: Catalog) -> None:
+    first = await catalog.claim_job_run("j", 3600, "a")
+    assert first is not None
+    assert await catalog.claim_job_run("j", 3600, "b") is None
+    await catalog.give_back_job_run("j", first)
+    second = await catalog.claim_job_run("j", 3600, "b")
+    assert second is not None and second > first
+    assert await catalog.claim_job_run("j", 0.0, "c") is not None  # due again at once
+
+
+async def test_job_lock_is_exclusive(database_url: str) -> None:
+    a, b = open_catalog(database_url), open_catalog(database_url)
+    await a.migrate()
+    try:
+        async with a.job_lock("sweep") as got_a:
+            assert got_a
+            async with b.job_lock("sweep") as got_b:
+                assert not got_b
+        async with b.job_lock("sweep") as got_b:
+            assert got_b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_concurrent_migrations_apply_once(database_url: str) -> None:
+    catalogs = [open_catalog(database_url) for _ in range(4)]
+    try:
+        results = await asyncio.gather(*(c.migrate() for c in catalogs))
+        applied = [names for names in results if names]
+        assert len(applied) == 1
+        assert applied[0][0] == "0001_init"
+    finally:
+        for c in catalogs:
+            await c.close()
