@@ -113,7 +113,8 @@ def create_app(settings: Settings) -> Starlette:
         state = ProxyState(settings, catalog, blobs, cache, adapters, tasks, leases, holder)
 
         tasks.spawn("access-flush", _flush_access_forever(access, catalog))
-        tasks.spawn("lease-listener", catalog.listen_leases(leases.notify))
+        if settings.leases.notify:
+            tasks.spawn("lease-listener", catalog.listen_leases(leases.notify))
         scheduler = Scheduler(catalog, holder, tasks)
         for job in standard_jobs(settings, catalog, blobs, cache):
             scheduler.add(job)

@@ -72,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if workers < 1:
         print("--workers: must be 1 or more", file=sys.stderr)
         return 2
+    # Migrate before serving: a database that cannot be reached is one clear line here,
+    # not a traceback from inside the server's startup.
+    if asyncio.run(_migrate(settings, quiet=True)) != 0:
+        return 1
     return _serve(settings, environ, workers, args.access_log, args.log_level)
 
 
@@ -129,18 +133,19 @@ def _serve(
     return 0
 
 
-async def _migrate(settings: Settings) -> int:
+async def _migrate(settings: Settings, quiet: bool = False) -> int:
     from proxy.catalog import open_catalog
 
     catalog = open_catalog(settings.database_url)
     try:
         applied = await catalog.migrate()
     except CatalogError as exc:
-        print(f"database.url: {exc}", file=sys.stderr)
+        print(f"database.url: cannot prepare the database: {exc}", file=sys.stderr)
         return 1
     finally:
         await catalog.close()
-    print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+    if not quiet:
+        print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
     return 0
 
 

@@ -96,6 +96,9 @@ class LeaseSettings:
     ttl_s: float = DEFAULT_LEASE_TTL_S
     poll_interval_s: float = DEFAULT_LEASE_POLL_INTERVAL_S
     retention_s: float = DEFAULT_LEASE_RETENTION_S
+    # LISTEN/NOTIFY wake-ups (Postgres). Turn off behind a pooler that cannot LISTEN
+    # (e.g. PgBouncer in transaction mode); waiters then rely on polling alone.
+    notify: bool = True
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,7 @@ class Settings:
             f'ttl = "{format_duration(self.leases.ttl_s)}"',
             f'poll_interval = "{format_duration(self.leases.poll_interval_s)}"',
             f'retention = "{format_duration(self.leases.retention_s)}"',
+            f"notify = {'true' if self.leases.notify else 'false'}",
             "[jobs]",
             f'reclaim_interval = "{format_duration(self.jobs.reclaim_interval_s)}"',
             f'sweep_interval = "{format_duration(self.jobs.sweep_interval_s)}"',
@@ -234,7 +238,7 @@ class _Parser:
         upstream = self.table(
             raw, "upstream", {"connect_timeout", "read_timeout", "retries", "max_connections"}
         )
-        leases = self.table(raw, "leases", {"ttl", "poll_interval", "retention"})
+        leases = self.table(raw, "leases", {"ttl", "poll_interval", "retention", "notify"})
         jobs = self.table(raw, "jobs", {"reclaim_interval", "sweep_interval"})
 
         listen = self.environ.get("PROXY_LISTEN") or self.string(server, "server.listen", "listen")
@@ -269,6 +273,7 @@ class _Parser:
                 leases, "leases.poll_interval", DEFAULT_LEASE_POLL_INTERVAL_S, positive=True
             ),
             retention_s=self.duration(leases, "leases.retention", DEFAULT_LEASE_RETENTION_S),
+            notify=self.boolean(leases, "leases.notify", True),
         )
         if lease_settings.poll_interval_s > lease_settings.ttl_s:
             self.error("leases.poll_interval", "must not be longer than leases.ttl")
@@ -477,6 +482,13 @@ class _Parser:
             self.error(key, f"{value!r} is not a string")
             return None
         return self.expand(value, key)
+
+    def boolean(self, raw: dict[str, Any], key: str, default: bool) -> bool:
+        value = raw.get(key.rsplit(".", 1)[-1], default)
+        if not isinstance(value, bool):
+            self.error(key, f"{value!r} is not true or false")
+            return default
+        return value
 
     def integer(
         self,

@@ -133,6 +133,13 @@ CREATE TABLE IF NOT EXISTS schema_migrations
 """
 
 _DRIVER_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+_CONNECTION_LOST = (
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.InterfaceError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CannotConnectNowError,
+    ConnectionError,
+)
 
 
 @contextmanager
@@ -175,18 +182,32 @@ class PostgresCatalog:
             async with pool.acquire(timeout=ACQUIRE_TIMEOUT_S) as conn:
                 yield conn
 
+    async def _call(self, operation: str, method: str, sql: str, *args: Any) -> Any:
+        """Run one statement; once more on a fresh connection if the pooled one was dead.
+
+        After a database restart every pooled connection is broken; the retry spares
+        the first request after the restart an error. Our statements are safe to
+        repeat (a repeated claim is a re-entrant claim by the same holder).
+        """
+        for attempt in (1, 2):
+            try:
+                async with self._connection(operation) as conn:
+                    return await getattr(conn, method)(sql, *args)
+            except CatalogError as exc:
+                dead = isinstance(exc.__cause__, _CONNECTION_LOST)
+                if attempt == 2 or not dead:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _fetchrow(self, operation: str, sql: str, *args: Any) -> Any:
-        async with self._connection(operation) as conn:
-            return await conn.fetchrow(sql, *args)
+        return await self._call(operation, "fetchrow", sql, *args)
 
     async def _fetch(self, operation: str, sql: str, *args: Any) -> list[Any]:
-        async with self._connection(operation) as conn:
-            return list(await conn.fetch(sql, *args))
+        return list(await self._call(operation, "fetch", sql, *args))
 
     async def _execute(self, operation: str, sql: str, *args: Any) -> int:
         """Run a statement; returns the number of rows it touched."""
-        async with self._connection(operation) as conn:
-            status: str = await conn.execute(sql, *args)
+        status: str = await self._call(operation, "execute", sql, *args)
         tail = status.rsplit(" ", 1)[-1]
         return int(tail) if tail.isdigit() else 0
 

@@ -1,0 +1,108 @@
+"""Real ``proxy serve`` processes for multi-replica tests: start, wait, signal, read logs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.pg import free_port
+
+READY_TIMEOUT_S = 60.0
+
+
+class ProxyProcess:
+    def __init__(
+        self,
+        config: Path,
+        log_dir: Path,
+        name: str,
+        env: dict[str, str] | None = None,
+        workers: int = 1,
+    ) -> None:
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.workers = workers
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ProxyProcess:
+        argv = [
+            sys.executable, "-m", "proxy", "serve",
+            "--config", str(self.config), "--listen", f"127.0.0.1:{self.port}",
+        ]  # fmt: skip
+        if self.workers != 1:
+            argv += ["--workers", str(self.workers)]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        return self
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> ProxyProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.process.returncode}:\n{self.log()}"
+                )
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} not ready within {timeout_s}s:\n{self.log()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.process is not None
+        self.process.send_signal(sig)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample from /metrics (0.0 if absent)."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return metric_value(text, name, **labels)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        metric, _, label_text = series.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+    return total

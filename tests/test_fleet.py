@@ -1,0 +1,481 @@
+"""Several real `proxy serve` processes on one Postgres database and one storage folder.
+
+Each test below fails on the wrong implementation of one rule of DESIGN §4-§5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.pg import PostgresServer
+from tests.processes import ProxyProcess
+from tests.upstream import FakeUpstream, ProjectFile
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+MiB = 1024 * 1024
+
+
+def fleet_config(
+    tmp_path: Path,
+    db_url: str,
+    upstream_url: str,
+    ttl: str = "3s",
+    read_timeout: str = "5s",
+    metadata_ttl: str = "10m",
+    extra_leases: str = "",
+    extra: str = "",
+    name: str = "fleet.toml",
+) -> Path:
+    path = tmp_path / name
+    path.write_text(f"""
+[database]
+url = "{db_url}"
+[storage]
+path = "{tmp_path / "shared"}"
+[upstream]
+connect_timeout = "2s"
+read_timeout = "{read_timeout}"
+retries = 0
+[leases]
+ttl = "{ttl}"
+poll_interval = "250ms"
+{extra_leases}
+{extra}
+[[repositories]]
+name = "pypi"
+format = "pypi"
+upstream = "{upstream_url}/simple/"
+metadata_ttl = "{metadata_ttl}"
+negative_ttl = "1m"
+""")
+    return path
+
+
+class Fleet:
+    def __init__(self, tmp_path: Path, config: Path) -> None:
+        self.tmp_path = tmp_path
+        self.config = config
+        self.replicas: list[ProxyProcess] = []
+
+    def start(self, count: int, env: dict[str, str] | None = None) -> list[ProxyProcess]:
+        new = [
+            ProxyProcess(self.config, self.tmp_path, f"replica-{len(self.replicas) + i}", env=env)
+            for i in range(count)
+        ]
+        for replica in new:
+            replica.start()
+        for replica in new:
+            replica.wait_ready()
+        self.replicas += new
+        return new
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[list[Fleet]]:
+    fleets: list[Fleet] = []
+    yield fleets
+    for f in fleets:
+        f.stop()
+
+
+def make_fleet(fleets: list[Fleet], tmp_path: Path, config: Path) -> Fleet:
+    f = Fleet(tmp_path, config)
+    fleets.append(f)
+    return f
+
+
+def add_big_file(upstream: FakeUpstream, size: int, **fault: object) -> ProjectFile:
+    f = ProjectFile("big-1.0.tar.gz", os.urandom(size))
+    upstream.add_project("big", [f])
+    if fault:
+        upstream.fault(f"/packages/{f.filename}", **fault)  # type: ignore[arg-type]
+    return f
+
+
+async def lease_row(db_url: str, key: str) -> asyncpg.Record | None:
+    conn = await asyncpg.connect(db_url)
+    try:
+        return await conn.fetchrow("SELECT * FROM fetch_leases WHERE key = $1", key)
+    finally:
+        await conn.close()
+
+
+def wait_for_holder(db_url: str, key: str, timeout_s: float = 20) -> asyncpg.Record:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        row = asyncio.run(lease_row(db_url, key))
+        if row is not None and row["state"] == "fetching":
+            return row
+        time.sleep(0.02)
+    raise AssertionError(f"nobody claimed {key}")
+
+
+def holder_pid(row: asyncpg.Record) -> int:
+    return int(row["holder"].split(":")[1])
+
+
+async def fetch_digests(urls: list[str]) -> list[tuple[int, str, int]]:
+    """GET every URL at once; (status, sha256 of the body, length) for each."""
+    limits = httpx.Limits(max_connections=len(urls) + 10)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def one(url: str) -> tuple[int, str, int]:
+            digest = hashlib.sha256()
+            size = 0
+            async with client.stream("GET", url) as response:
+                async for chunk in response.aiter_bytes():
+                    digest.update(chunk)
+                    size += len(chunk)
+                return response.status_code, digest.hexdigest(), size
+
+        return await asyncio.gather(*(one(u) for u in urls))
+
+
+FILE_KEY = "pypi/files/big/big-1.0.tar.gz"
+
+
+def test_replicas_started_together_on_an_empty_database_all_come_up(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    replicas = f.start(4)
+    assert all(r.process is not None and r.process.poll() is None for r in replicas)
+
+    async def migrations() -> list[str]:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            return [r["name"] for r in await conn.fetch("SELECT name FROM schema_migrations")]
+        finally:
+            await conn.close()
+
+    names = asyncio.run(migrations())
+    migration_files = sorted(p.stem for p in Path("migrations/postgres").glob("*.sql"))
+    assert sorted(names) == migration_files  # each applied exactly once
+
+
+def test_one_upstream_get_for_the_whole_fleet(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    big = add_big_file(upstream, 50 * MiB, chunk_size=MiB, chunk_delay_s=0.05)
+    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    replicas = f.start(3)
+    assert httpx.get(replicas[0].url + "/pypi/simple/big/").status_code == 200
+    urls = [r.url + f"/pypi/files/big/{big.filename}" for r in replicas for _ in range(30)]
+    results = asyncio.run(fetch_digests(urls))
+    expected = hashlib.sha256(big.body).hexdigest()
+    assert results == [(200, expected, len(big.body))] * 90
+    assert upstream.count(f"/packages/{big.filename}") == 1
+    waits = [r.metric("proxy_fetch_lease_waits_total", repository="pypi") for r in replicas]
+    assert sum(waits) >= 2, waits  # the replicas that did not fetch waited on the lease
+    assert sorted(waits)[0] == 0  # and the holder did not
+
+
+def test_wait_is_detached_from_the_clients_that_started_it(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    big = add_big_file(upstream, 8 * MiB, chunk_size=MiB, chunk_delay_s=0.3)
+    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    holder, waiter = f.start(2)
+    httpx.get(holder.url + "/pypi/simple/big/")
+    path = f"/pypi/files/big/{big.filename}"
+
+    async def scenario() -> tuple[int, str, int]:
+        holding = asyncio.ensure_future(fetch_digests([holder.url + path]))
+        await asyncio.to_thread(wait_for_holder, pg_url, FILE_KEY)
+        # Every client of the waiting replica leaves before the holder is done.
+        async with httpx.AsyncClient() as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.get(waiter.url + path, timeout=0.5)
+        [result] = await holding
+        return result
+
+    assert asyncio.run(scenario())[0] == 200
+    deadline = time.monotonic() + 10
+    while waiter.metric("proxy_fetch_lease_wait_duration_seconds_count", outcome="entry") < 1:
+        assert time.monotonic() < deadline, "the detached wait did not finish"
+        time.sleep(0.1)
+    response = httpx.get(waiter.url + path, timeout=30)
+    assert response.content == big.body
+    assert upstream.count(f"/packages/{big.filename}") == 1
+
+
+def test_sigkill_of_the_holder_is_taken_over_after_expiry(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    big = add_big_file(upstream, 12 * MiB, chunk_size=MiB, chunk_delay_s=0.25)
+    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, ttl="2s"))
+    replicas = f.start(3)
+    httpx.get(replicas[0].url + "/pypi/simple/big/")
+    path = f"/pypi/files/big/{big.filename}"
+
+    async def scenario() -> list[tuple[int, str, int]]:
+        first = asyncio.ensure_future(fetch_digests([replicas[0].url + path]))
+        row = await asyncio.to_thread(wait_for_holder, pg_url, FILE_KEY)
+        assert holder_pid(row) == replicas[0].pid
+        others = asyncio.ensure_future(
+            fetch_digests([r.url + path for r in replicas[1:] for _ in range(3)])
+        )
+        await asyncio.sleep(1.0)  # mid-download
+        replicas[0].signal(signal.SIGKILL)
+        results = await others
+        with pytest.raises(httpx.HTTPError):
+            await first  # its replica died under it
+        return results
+
+    results = asyncio.run(scenario())
+    expected = hashlib.sha256(big.body).hexdigest()
+    assert results == [(200, expected, len(big.body))] * 6
+    assert upstream.count(f"/packages/{big.filename}") == 2
+    row = asyncio.run(lease_row(pg_url, FILE_KEY))
+    assert row is not None and row["state"] == "done"
+    assert holder_pid(row) in (replicas[1].pid, replicas[2].pid)
+    survivors = replicas[1:]
+    assert (
+        sum(r.metric("proxy_fetch_lease_takeovers_total", repository="pypi") for r in survivors)
+        == 1
+    )
+    # The killed process left only a temp file behind, never a wrong blob.
+    shared = tmp_path / "shared"
+    assert any(p.suffix == ".part" for p in (shared / "tmp").iterdir())
+    blobs = {p.name for p in (shared / "blobs").rglob("*") if p.is_file()}
+    assert expected in blobs
+
+
+def test_sigterm_of_the_holder_hands_over_at_once(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    big = add_big_file(upstream, 12 * MiB, chunk_size=MiB, chunk_delay_s=0.25)
+    # A TTL of 30s: a takeover by expiry could not happen within this test's bound.
+    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, ttl="30s"))
+    holder, waiter = f.start(2)
+    httpx.get(holder.url + "/pypi/simple/big/")
+    path = f"/pypi/files/big/{big.filename}"
+
+    async def scenario() -> tuple[list[tuple[int, str, int]], float]:
+        holders_client = asyncio.ensure_future(fetch_digests([holder.url + path]))
+        row = await asyncio.to_thread(wait_for_holder, pg_url, FILE_KEY)
+        assert holder_pid(row) == holder.pid
+        waiting = asyncio.ensure_future(fetch_digests([waiter.url + path]))
+        await asyncio.sleep(0.5)
+        sent = time.monotonic()
+        holder.signal(signal.SIGTERM)
+        while True:
+            current = await lease_row(pg_url, FILE_KEY)
+            if current is not None and holder_pid(current) == waiter.pid:
+                break
+            await asyncio.sleep(0.01)
+        handover_s = time.monotonic() - sent
+        with pytest.raises(httpx.RemoteProtocolError):
+            await holders_client  # its download was cut short by the shutdown
+        return await waiting, handover_s
+
+    results, handover_s = asyncio.run(scenario())
+    # uvicorn re-raises the signal once its graceful shutdown is complete.
+    assert holder.wait(30) in (0, -signal.SIGTERM)
+    assert "shut down: flushed" in holder.log()
+    assert results == [(200, hashlib.sha256(big.body).hexdigest(), len(big.body))]
+    assert handover_s < 5, f"handover took {handover_s:.2f}s: the lease was not released on SIGTERM"
+    assert upstream.count(f"/packages/{big.filename}") == 2
+
+
+def _stale_page_scenario(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet], with_stale: bool
+) -> tuple[list[httpx.Response], float, int]:
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
+    timeout_s = 3.0
+    config = fleet_config(
+        tmp_path, pg_url, upstream.base_url, read_timeout=f"{timeout_s}s", metadata_ttl="1s"
+    )
+    replicas = make_fleet(fleet, tmp_path, config).start(4)
+    if with_stale:
+        assert httpx.get(replicas[0].url + "/pypi/simple/alpha/").status_code == 200
+        time.sleep(1.2)  # expired everywhere
+    upstream.fault("/simple/alpha/", hang=True)
+
+    async def all_at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(
+                *(client.get(r.url + "/pypi/simple/alpha/") for r in replicas)
+            )
+
+    started = time.monotonic()
+    responses = asyncio.run(all_at_once())
+    elapsed = time.monotonic() - started
+    upstream.clear_faults()
+    return responses, elapsed / timeout_s, upstream.count("/simple/alpha/")
+
+
+def test_failed_fetch_lets_waiters_serve_stale_at_once(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    responses, timeouts, gets = _stale_page_scenario(tmp_path, pg_url, upstream, fleet, True)
+    assert [r.status_code for r in responses] == [200] * 4
+    assert all("110" in r.headers["warning"] for r in responses)
+    assert gets == 2  # the first fill, then only the holder tried
+    assert timeouts < 1.8, f"clients waited {timeouts:.1f} upstream timeouts, not one"
+
+
+def test_failed_fetch_without_stale_copy_lets_waiters_fetch_concurrently(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    responses, timeouts, gets = _stale_page_scenario(tmp_path, pg_url, upstream, fleet, False)
+    assert [r.status_code for r in responses] == [504] * 4
+    assert gets == 4  # the holder, then the three waiters side by side
+    assert timeouts < 2.8, f"clients waited {timeouts:.1f} upstream timeouts: waiters took turns"
+
+
+def test_notifications_wake_waiters_and_polling_covers_lost_ones(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    big = add_big_file(upstream, 4 * MiB, chunk_size=MiB, chunk_delay_s=0.3)
+    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    holder, listening = f.start(2)
+    # A third replica that never LISTENs: its waits end by polling alone.
+    deaf_config = fleet_config(
+        tmp_path, pg_url, upstream.base_url, extra_leases="notify = false", name="deaf.toml"
+    )
+    deaf = make_fleet(fleet, tmp_path, deaf_config).start(1)[0]
+    httpx.get(holder.url + "/pypi/simple/big/")
+    path = f"/pypi/files/big/{big.filename}"
+
+    async def scenario() -> list[tuple[int, str, int]]:
+        first = asyncio.ensure_future(fetch_digests([holder.url + path]))
+        await asyncio.to_thread(wait_for_holder, pg_url, FILE_KEY)
+        rest = await fetch_digests([listening.url + path, deaf.url + path])
+        return [*(await first), *rest]
+
+    results = asyncio.run(scenario())
+    assert results == [(200, hashlib.sha256(big.body).hexdigest(), len(big.body))] * 3
+    assert upstream.count(f"/packages/{big.filename}") == 1
+    assert listening.metric("proxy_fetch_lease_notifications_total") >= 1
+    assert deaf.metric("proxy_fetch_lease_notifications_total") == 0
+    assert deaf.metric("proxy_fetch_lease_wait_duration_seconds_count", outcome="entry") == 1
+
+
+def test_dropped_listener_connection_is_replaced(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    big = add_big_file(upstream, 2 * MiB, chunk_size=MiB, chunk_delay_s=0.5)
+    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    holder, waiter = f.start(2)
+
+    async def kill_listeners() -> int:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            return int(
+                await conn.fetchval(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'proxy-lease-listener'"
+                )
+            )
+        finally:
+            await conn.close()
+
+    assert asyncio.run(kill_listeners()) == 2
+    httpx.get(holder.url + "/pypi/simple/big/")
+    path = f"/pypi/files/big/{big.filename}"
+
+    async def scenario() -> list[tuple[int, str, int]]:
+        first = asyncio.ensure_future(fetch_digests([holder.url + path]))
+        await asyncio.to_thread(wait_for_holder, pg_url, FILE_KEY)
+        second = await fetch_digests([waiter.url + path])
+        return [*(await first), *second]
+
+    results = asyncio.run(scenario())
+    assert [status for status, _, _ in results] == [200, 200]
+    assert "lease notification connection lost" in waiter.log()
+    assert waiter.log().count("listening for lease notifications") >= 2
+    assert waiter.metric("proxy_fetch_lease_notifications_total") >= 1
+
+
+def test_renewal_blackout_loses_the_lease_and_never_touches_it_again(
+    tmp_path: Path, own_postgres: PostgresServer, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    big = add_big_file(upstream, 8 * MiB, chunk_size=MiB, chunk_delay_s=1.0)
+    db_url = own_postgres.admin_url
+    config = fleet_config(tmp_path, db_url, upstream.base_url, ttl="2s")
+    [replica] = make_fleet(fleet, tmp_path, config).start(1)
+    assert httpx.get(replica.url + "/pypi/simple/big/").status_code == 200
+    path = f"/pypi/files/big/{big.filename}"
+
+    async def scenario() -> tuple[tuple[int, str, int], asyncpg.Record]:
+        downloading = asyncio.ensure_future(fetch_digests([replica.url + path]))
+        row = await asyncio.to_thread(wait_for_holder, db_url, FILE_KEY)
+        await asyncio.to_thread(own_postgres.stop, "fast")
+        await asyncio.sleep(3.5)  # longer than the TTL without a renewal
+        await asyncio.to_thread(own_postgres.start)
+        [result] = await downloading
+        return result, row
+
+    result, claimed = asyncio.run(scenario())
+    assert result == (200, hashlib.sha256(big.body).hexdigest(), len(big.body))
+    assert "lease lost" in replica.log()
+    assert replica.metric("proxy_fetch_lease_losses_total", repository="pypi") >= 1
+    row = asyncio.run(lease_row(db_url, FILE_KEY))
+    assert row is not None
+    # Nothing was marked or released under the lost fence.
+    assert (row["fence"], row["state"]) == (claimed["fence"], "fetching")
+    assert row["renewed_at"] <= row["expires_at"]
+    # Service resumes: new misses work again.
+    upstream.add_project("after", [ProjectFile("after-1.0.tar.gz", b"after")])
+    assert httpx.get(replica.url + "/pypi/simple/after/", timeout=30).status_code == 200
+    # And the verified download was still stored once the database was back.
+    assert httpx.get(replica.url + path, timeout=30).content == big.body
+    assert upstream.count(f"/packages/{big.filename}") == 1
+
+
+def test_metadata_with_ttl_zero_takes_no_lease(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
+    config = fleet_config(tmp_path, pg_url, upstream.base_url, metadata_ttl="0")
+    replicas = make_fleet(fleet, tmp_path, config).start(2)
+    for replica in replicas:
+        for _ in range(2):
+            assert httpx.get(replica.url + "/pypi/simple/alpha/").status_code == 200
+    assert upstream.count("/simple/alpha/") == 4
+
+    async def lease_keys() -> list[str]:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            return [r["key"] for r in await conn.fetch("SELECT key FROM fetch_leases")]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(lease_keys()) == []
+
+
+def test_reclaim_purges_lease_rows_after_retention(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
+    config = fleet_config(
+        tmp_path, pg_url, upstream.base_url,
+        extra_leases='retention = "1s"', extra='[jobs]\nreclaim_interval = "1s"',
+    )  # fmt: skip
+    [replica, other] = make_fleet(fleet, tmp_path, config).start(2)
+    assert httpx.get(replica.url + "/pypi/simple/alpha/").status_code == 200
+    assert asyncio.run(lease_row(pg_url, "pypi/simple/alpha/#html")) is not None
+    deadline = time.monotonic() + 15
+    while asyncio.run(lease_row(pg_url, "pypi/simple/alpha/#html")) is not None:
+        assert time.monotonic() < deadline, "the expired lease row was never purged"
+        time.sleep(0.2)
+    ran = sum(
+        r.metric("proxy_job_runs_total", job="reclaim", outcome="ran") for r in (replica, other)
+    )
+    assert ran >= 1
