@@ -1,0 +1,25 @@
+"""Send a request exactly as written (clients normalize '..' and '//' away)."""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+
+def raw_get(base_url: str, target: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    parts = urlsplit(base_url)
+    lines = [f"GET {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(request)
+        chunks = []
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    response = b"".join(chunks)
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, body

@@ -1,0 +1,204 @@
+"""Settings: units, environment, defaults, and errors that name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.config import load
+from proxy.exceptions import ConfigError
+from proxy.units import format_size, parse_duration, parse_size
+from tests.conftest import write_config
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("15s", 15), ("10m", 600), ("24h", 86400), ("250ms", 0.25), ("0", 0), ("1.5s", 1.5), ("2d", 172800), (30, 30)],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["15", "ten minutes", "-1s", "", "5 parsecs", True])
+def test_bad_durations(text: object) -> None:
+    with pytest.raises(ValueError, match="duration|unit|negative"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("512MiB", 512 * 2**20), ("10GB", 10 * 10**9), ("100MB", 10**8), ("1KiB", 1024), (42, 42), ("7", 7)],
+)
+def test_sizes(text: object, size: int) -> None:
+    assert parse_size(text) == size
+    assert parse_size(format_size(size)) == size
+
+
+def test_embedded_defaults_need_no_file() -> None:
+    settings = load(None, {})
+    assert (settings.host, settings.port) == ("127.0.0.1", 8080)
+    assert settings.database_url == "sqlite:///data/proxy.db"
+    assert [(r.name, r.format) for r in settings.repositories] == [
+        ("pypi", "pypi"),
+        ("maven", "maven"),
+        ("gradle-cache", "gradle-build-cache"),
+    ]
+    assert all(not r.upstreams for r in settings.repositories)
+
+
+def test_environment_overrides() -> None:
+    env = {
+        "PROXY_LISTEN": "0.0.0.0:9000",
+        "PROXY_STORAGE_PATH": "/srv/proxy",
+        "PROXY_UPSTREAM_PYPI": "https://upstream.example/simple",
+        "PROXY_UPSTREAM_MAVEN": "https://upstream.example/maven2/,https://plugins.example/m2/",
+    }
+    settings = load(None, env)
+    assert (settings.host, settings.port) == ("0.0.0.0", 9000)
+    assert settings.database_url == "sqlite:////srv/proxy/proxy.db"
+    pypi, maven = settings.repository("pypi"), settings.repository("maven")
+    assert pypi is not None and pypi.upstreams == ("https://upstream.example/simple/",)
+    assert maven is not None and maven.upstreams == (
+        "https://upstream.example/maven2/",
+        "https://plugins.example/m2/",
+    )
+    url = load(None, {"PROXY_DATABASE_URL": "postgresql://proxy@db:5432/proxy"}).database_url
+    assert url == "postgresql://proxy@db:5432/proxy"
+
+
+def test_full_file_with_env_references(tmp_path: Path) -> None:
+    path = write_config(tmp_path, """
+        [server]
+        listen = "127.0.0.1:8081"
+        [leases]
+        ttl = "15s"
+        poll_interval = "250ms"
+        [[repositories]]
+        name = "maven"
+        format = "maven"
+        upstream = ["https://upstream.example/maven2/", "https://plugins.example/m2/"]
+        snapshot_ttl = "1m"
+        [[repositories]]
+        name = "gradle-cache"
+        format = "gradle-build-cache"
+        max_entry_size = "100MB"
+        max_size = "10GB"
+        anonymous = "none"
+        [repositories.users.ci]
+        password = "${GRADLE_PASSWORD}"
+        role = "write"
+    """)
+    settings = load(path, {"GRADLE_PASSWORD": "s3cret"})
+    cache = settings.repository("gradle-cache")
+    assert cache is not None
+    assert cache.max_entry_size == 10**8 and cache.max_size == 10 * 10**9
+    assert cache.users[0].password == "s3cret"
+    assert "s3cret" not in settings.describe()
+    assert settings.leases.ttl_s == 15 and settings.leases.poll_interval_s == 0.25
+
+
+def _errors(tmp_path: Path, body: str, env: dict[str, str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load(write_config(tmp_path, body), env or {})
+    return info.value.errors
+
+
+def test_every_bad_key_is_named_at_once(tmp_path: Path) -> None:
+    errors = _errors(tmp_path, """
+        [server]
+        listen = "nowhere"
+        workers = 0
+        [leases]
+        ttl = "soon"
+        [storage]
+        colour = "blue"
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "ftp://upstream.example/"
+        metadata_ttl = "10 minutes"
+        [[repositories]]
+        name = "cache"
+        format = "gradle-build-cache"
+        max_entry_size = "huge"
+        [repositories.users.ci]
+        password = "${NOT_SET_ANYWHERE}"
+        role = "admin"
+    """)
+    joined = "\n".join(errors)
+    for key in (
+        "server.listen:",
+        "server.workers:",
+        "leases.ttl:",
+        "storage.colour:",
+        "repositories.pypi.upstream:",
+        "repositories.pypi.metadata_ttl:",
+        "repositories.cache.max_entry_size:",
+        "repositories.cache.users.ci.password: environment variable NOT_SET_ANYWHERE is not set",
+        "repositories.cache.users.ci.role:",
+    ):
+        assert key in joined, f"{key} missing from:\n{joined}"
+
+
+def test_structural_errors(tmp_path: Path) -> None:
+    assert any("is used by two repositories" in e for e in _errors(tmp_path, """
+        [[repositories]]
+        name = "a"
+        format = "pypi"
+        [[repositories]]
+        name = "a"
+        format = "pypi"
+    """))
+    assert any("not one of pypi" in e for e in _errors(tmp_path, """
+        [[repositories]]
+        name = "a"
+        format = "npm"
+    """))
+    assert any("not a valid repository name" in e for e in _errors(tmp_path, """
+        [[repositories]]
+        name = "metrics"
+        format = "pypi"
+    """))
+    assert any("database.url" in e for e in _errors(tmp_path, '[database]\nurl = "mysql://x"\n'))
+    assert any("unknown key for format 'pypi'" in e for e in _errors(tmp_path, """
+        [[repositories]]
+        name = "a"
+        format = "pypi"
+        max_size = "1GB"
+    """))
+
+
+def test_not_toml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\nlisten=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(bad, {})
+    with pytest.raises(ConfigError, match="not found"):
+        load(tmp_path / "absent.toml", {})
+
+
+def test_check_config_command(tmp_path: Path) -> None:
+    good = write_config(tmp_path, """
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "https://upstream.example/simple/"
+    """)
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", "--config", str(good)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert 'upstream = ["https://upstream.example/simple/"]' in result.stdout
+    assert 'metadata_ttl = "10m"' in result.stdout
+    bad = write_config(tmp_path, '[leases]\nttl = "x"\n', name="bad.toml")
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", "--config", str(bad)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "leases.ttl:" in result.stderr
+    assert "Traceback" not in result.stderr
