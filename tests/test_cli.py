@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 MiB = 1024 * 1024
 
 
-def serve(cwd: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def serve(
+    cwd: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
     process = subprocess.Popen(
@@ -84,13 +86,27 @@ def test_serve_with_unreachable_database_fails_clearly(tmp_path: Path) -> None:
 
 def test_migrate_command(tmp_path: Path) -> None:
     env = {**os.environ, "PROXY_STORAGE_PATH": str(tmp_path / "d")}
-    first = subprocess.run([sys.executable, "-m", "proxy", "migrate"], env=env, capture_output=True, text=True, timeout=60)
+    first = subprocess.run(
+        [sys.executable, "-m", "proxy", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert first.returncode == 0 and "0001_init" in first.stdout
-    again = subprocess.run([sys.executable, "-m", "proxy", "migrate"], env=env, capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "proxy", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "up to date" in again.stdout
 
 
-def test_sigkill_mid_download_leaves_only_a_temp_file(tmp_path: Path, upstream: FakeUpstream) -> None:
+def test_sigkill_mid_download_leaves_only_a_temp_file(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
     body = os.urandom(6 * MiB)
     f = ProjectFile("big-1.0.tar.gz", body)
     upstream.add_project("big", [f])
@@ -99,7 +115,9 @@ def test_sigkill_mid_download_leaves_only_a_temp_file(tmp_path: Path, upstream: 
     proxy = ProxyProcess(config, tmp_path, "single").start().wait_ready()
     try:
         httpx.get(proxy.url + "/pypi/simple/big/")
-        with httpx.stream("GET", proxy.url + f"/pypi/files/big/{f.filename}", timeout=30) as response:
+        with httpx.stream(
+            "GET", proxy.url + f"/pypi/files/big/{f.filename}", timeout=30
+        ) as response:
             next(response.iter_bytes())
             proxy.signal(signal.SIGKILL)
             proxy.wait()
@@ -120,7 +138,9 @@ def test_sigkill_mid_download_leaves_only_a_temp_file(tmp_path: Path, upstream: 
         proxy.stop()
 
 
-def test_workers_share_one_fetch_and_aggregate_metrics(tmp_path: Path, upstream: FakeUpstream) -> None:
+def test_workers_share_one_fetch_and_aggregate_metrics(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
     body = os.urandom(4 * MiB)
     f = ProjectFile("big-1.0.tar.gz", body)
     upstream.add_project("big", [f])
@@ -131,7 +151,9 @@ def test_workers_share_one_fetch_and_aggregate_metrics(tmp_path: Path, upstream:
         assert httpx.get(proxy.url + "/pypi/simple/big/").status_code == 200
 
         async def many() -> list[bytes]:
-            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=30)) as client:
+            async with httpx.AsyncClient(
+                timeout=60, limits=httpx.Limits(max_connections=30)
+            ) as client:
                 responses = await asyncio.gather(
                     *(client.get(proxy.url + f"/pypi/files/big/{f.filename}") for _ in range(20))
                 )

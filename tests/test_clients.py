@@ -35,7 +35,10 @@ def _installed(target: Path) -> set[str]:
 
 
 def test_pip_installs_with_dependencies(
-    pypi_proxy: ServerThread, upstream: FakeUpstream, packages: dict[str, bytes], tmp_path: Path,
+    pypi_proxy: ServerThread,
+    upstream: FakeUpstream,
+    packages: dict[str, bytes],
+    tmp_path: Path,
     clean_env: dict[str, str],
 ) -> None:
     index = f"{pypi_proxy.url}/pypi/simple/"
@@ -57,7 +60,10 @@ def test_pip_installs_with_dependencies(
 
 
 def test_uv_installs_with_dependencies(
-    pypi_proxy: ServerThread, upstream: FakeUpstream, packages: dict[str, bytes], tmp_path: Path,
+    pypi_proxy: ServerThread,
+    upstream: FakeUpstream,
+    packages: dict[str, bytes],
+    tmp_path: Path,
     clean_env: dict[str, str],
 ) -> None:
     uv = shutil.which("uv", path=str(Path(sys.executable).parent))

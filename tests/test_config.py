@@ -16,7 +16,16 @@ from tests.conftest import write_config
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("15s", 15), ("10m", 600), ("24h", 86400), ("250ms", 0.25), ("0", 0), ("1.5s", 1.5), ("2d", 172800), (30, 30)],
+    [
+        ("15s", 15),
+        ("10m", 600),
+        ("24h", 86400),
+        ("250ms", 0.25),
+        ("0", 0),
+        ("1.5s", 1.5),
+        ("2d", 172800),
+        (30, 30),
+    ],
 )
 def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds
@@ -30,7 +39,14 @@ def test_bad_durations(text: object) -> None:
 
 @pytest.mark.parametrize(
     ("text", "size"),
-    [("512MiB", 512 * 2**20), ("10GB", 10 * 10**9), ("100MB", 10**8), ("1KiB", 1024), (42, 42), ("7", 7)],
+    [
+        ("512MiB", 512 * 2**20),
+        ("10GB", 10 * 10**9),
+        ("100MB", 10**8),
+        ("1KiB", 1024),
+        (42, 42),
+        ("7", 7),
+    ],
 )
 def test_sizes(text: object, size: int) -> None:
     assert parse_size(text) == size
@@ -70,7 +86,9 @@ def test_environment_overrides() -> None:
 
 
 def test_full_file_with_env_references(tmp_path: Path) -> None:
-    path = write_config(tmp_path, """
+    path = write_config(
+        tmp_path,
+        """
         [server]
         listen = "127.0.0.1:8081"
         [leases]
@@ -90,7 +108,8 @@ def test_full_file_with_env_references(tmp_path: Path) -> None:
         [repositories.users.ci]
         password = "${GRADLE_PASSWORD}"
         role = "write"
-    """)
+    """,
+    )
     settings = load(path, {"GRADLE_PASSWORD": "s3cret"})
     cache = settings.repository("gradle-cache")
     assert cache is not None
@@ -107,7 +126,9 @@ def _errors(tmp_path: Path, body: str, env: dict[str, str] | None = None) -> lis
 
 
 def test_every_bad_key_is_named_at_once(tmp_path: Path) -> None:
-    errors = _errors(tmp_path, """
+    errors = _errors(
+        tmp_path,
+        """
         [server]
         listen = "nowhere"
         workers = 0
@@ -127,7 +148,8 @@ def test_every_bad_key_is_named_at_once(tmp_path: Path) -> None:
         [repositories.users.ci]
         password = "${NOT_SET_ANYWHERE}"
         role = "admin"
-    """)
+    """,
+    )
     joined = "\n".join(errors)
     for key in (
         "server.listen:",
@@ -144,31 +166,55 @@ def test_every_bad_key_is_named_at_once(tmp_path: Path) -> None:
 
 
 def test_structural_errors(tmp_path: Path) -> None:
-    assert any("is used by two repositories" in e for e in _errors(tmp_path, """
+    assert any(
+        "is used by two repositories" in e
+        for e in _errors(
+            tmp_path,
+            """
         [[repositories]]
         name = "a"
         format = "pypi"
         [[repositories]]
         name = "a"
         format = "pypi"
-    """))
-    assert any("not one of pypi" in e for e in _errors(tmp_path, """
+    """,
+        )
+    )
+    assert any(
+        "not one of pypi" in e
+        for e in _errors(
+            tmp_path,
+            """
         [[repositories]]
         name = "a"
         format = "npm"
-    """))
-    assert any("not a valid repository name" in e for e in _errors(tmp_path, """
+    """,
+        )
+    )
+    assert any(
+        "not a valid repository name" in e
+        for e in _errors(
+            tmp_path,
+            """
         [[repositories]]
         name = "metrics"
         format = "pypi"
-    """))
+    """,
+        )
+    )
     assert any("database.url" in e for e in _errors(tmp_path, '[database]\nurl = "mysql://x"\n'))
-    assert any("unknown key for format 'pypi'" in e for e in _errors(tmp_path, """
+    assert any(
+        "unknown key for format 'pypi'" in e
+        for e in _errors(
+            tmp_path,
+            """
         [[repositories]]
         name = "a"
         format = "pypi"
         max_size = "1GB"
-    """))
+    """,
+        )
+    )
 
 
 def test_not_toml_and_missing_file(tmp_path: Path) -> None:
@@ -181,12 +227,15 @@ def test_not_toml_and_missing_file(tmp_path: Path) -> None:
 
 
 def test_check_config_command(tmp_path: Path) -> None:
-    good = write_config(tmp_path, """
+    good = write_config(
+        tmp_path,
+        """
         [[repositories]]
         name = "pypi"
         format = "pypi"
         upstream = "https://upstream.example/simple/"
-    """)
+    """,
+    )
     result = subprocess.run(
         [sys.executable, "-m", "proxy", "check-config", "--config", str(good)],
         capture_output=True, text=True, timeout=60,

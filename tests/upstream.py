@@ -15,6 +15,7 @@ import hashlib
 import html
 import io
 import json
+import os
 import socket
 import threading
 import time
@@ -185,8 +186,10 @@ class FakeUpstream:
         if path in self.files:
             return 200, self.files[path], "application/octet-stream", []
         if self.directory is not None:
-            target = (self.directory / path.lstrip("/")).resolve()
-            if target.is_file() and self.directory.resolve() in target.parents:
+            relative = os.path.normpath(path.lstrip("/"))
+            target = self.directory / relative
+            # Symlinks are followed (Debian's repository is made of them); '..' is not.
+            if not relative.startswith("..") and target.is_file():
                 return 200, target.read_bytes(), "application/octet-stream", []
         return None
 

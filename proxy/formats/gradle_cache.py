@@ -63,7 +63,9 @@ class BuildCacheRepository:
         entry = await self.cache.lookup(self.name, key)
         if entry is None:
             raise NotFound(f"no build cache entry {key}")
-        self.cache.access.record(self.name, key)
+        if request.method == "GET":
+            # Only a read is a use; a HEAD probe must not keep an entry from eviction.
+            self.cache.access.record(self.name, key)
         metrics.CACHE_HITS.labels(self.name, "gradle-build-cache", "hosted").inc()
         try:
             return self.cache.render_entry(

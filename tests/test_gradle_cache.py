@@ -1,0 +1,193 @@
+"""The Gradle HTTP build cache over raw HTTP: what Gradle sends, and the LRU sweep."""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.config import load
+from tests.conftest import ProxyFactory, write_config
+from tests.processes import metric_value
+from tests.rawhttp import raw_get
+from tests.upstream import ServerThread
+
+CI = ("ci", "ci-secret")
+READER = ("reader", "reader-secret")
+ARTIFACT = "application/vnd.gradle.build-cache-artifact.v2"
+
+
+def cache_config(storage: Path, anonymous: str = "read", extra: str = "", jobs: str = "") -> str:
+    return f"""
+    [storage]
+    path = "{storage}"
+    {jobs}
+    [[repositories]]
+    name = "gradle-cache"
+    format = "gradle-build-cache"
+    max_entry_size = "1MB"
+    anonymous = "{anonymous}"
+    {extra}
+    [repositories.users.ci]
+    password = "${{CI_PASSWORD}}"
+    role = "write"
+    [repositories.users.reader]
+    password = "reader-secret"
+    role = "read"
+    """
+
+
+@pytest.fixture
+def cache_proxy(tmp_path: Path, start_proxy: ProxyFactory) -> ServerThread:
+    config = write_config(tmp_path, cache_config(tmp_path / "data"))
+    return start_proxy(load(config, {"CI_PASSWORD": CI[1]}))
+
+
+def url(proxy: ServerThread, key: str) -> str:
+    return f"{proxy.url}/gradle-cache/{key}"
+
+
+def test_put_then_get_head_and_overwrite(cache_proxy: ServerThread) -> None:
+    key = "0a1b2c3d4e5f"
+    assert httpx.get(url(cache_proxy, key)).status_code == 404
+    assert httpx.head(url(cache_proxy, key)).status_code == 404
+    body = os.urandom(50_000)
+    put = httpx.put(
+        url(cache_proxy, key), content=body, auth=CI, headers={"Content-Type": ARTIFACT}
+    )
+    assert 200 <= put.status_code < 300
+    got = httpx.get(url(cache_proxy, key))
+    assert got.status_code == 200 and got.content == body
+    assert got.headers["content-type"] == ARTIFACT
+    head = httpx.head(url(cache_proxy, key))
+    assert head.status_code == 200 and head.headers["content-length"] == str(len(body))
+    replaced = os.urandom(10)
+    assert httpx.put(url(cache_proxy, key), content=replaced, auth=CI).status_code == 201
+    assert httpx.get(url(cache_proxy, key)).content == replaced
+
+
+def test_put_without_credentials_is_401_with_a_basic_challenge(cache_proxy: ServerThread) -> None:
+    response = httpx.put(url(cache_proxy, "k1"), content=b"x")
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"].startswith("Basic ")
+    assert httpx.get(url(cache_proxy, "k1")).status_code == 404
+
+
+def test_wrong_password_and_unknown_user_are_401(cache_proxy: ServerThread) -> None:
+    assert httpx.put(url(cache_proxy, "k1"), content=b"x", auth=("ci", "wrong")).status_code == 401
+    assert httpx.put(url(cache_proxy, "k1"), content=b"x", auth=("nobody", "x")).status_code == 401
+    assert httpx.get(url(cache_proxy, "k1"), auth=("ci", "wrong")).status_code == 401
+    bad = httpx.put(url(cache_proxy, "k1"), content=b"x", headers={"Authorization": "Basic !!!"})
+    assert bad.status_code == 401
+
+
+def test_read_only_user_is_403_on_put(cache_proxy: ServerThread) -> None:
+    response = httpx.put(url(cache_proxy, "k1"), content=b"x", auth=READER)
+    assert response.status_code == 403
+    assert "may only read" in response.text
+    assert httpx.get(url(cache_proxy, "k1"), auth=READER).status_code == 404
+
+
+def test_anonymous_none_needs_credentials_to_read(
+    tmp_path: Path, start_proxy: ProxyFactory
+) -> None:
+    config = write_config(tmp_path, cache_config(tmp_path / "data", anonymous="none"))
+    proxy = start_proxy(load(config, {"CI_PASSWORD": CI[1]}))
+    assert httpx.put(url(proxy, "k"), content=b"x", auth=CI).status_code == 201
+    assert httpx.get(url(proxy, "k")).status_code == 401
+    assert httpx.get(url(proxy, "k"), auth=READER).content == b"x"
+
+
+def _raw_put_headers(
+    proxy: ServerThread, key: str, headers: dict[str, str]
+) -> tuple[bytes, socket.socket]:
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    lines = [f"PUT /gradle-cache/{key} HTTP/1.1", f"Host: 127.0.0.1:{proxy.port}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    return sock.recv(65536), sock
+
+
+def test_413_is_decided_from_content_length_before_any_body_byte(cache_proxy: ServerThread) -> None:
+    token = base64.b64encode(f"{CI[0]}:{CI[1]}".encode()).decode()
+    answer, sock = _raw_put_headers(
+        cache_proxy,
+        "toolarge",
+        {"Authorization": f"Basic {token}", "Content-Length": "2000000", "Expect": "100-continue"},
+    )
+    sock.close()
+    # The answer came although no body byte was sent; no "100 Continue" invited one.
+    assert answer.startswith(b"HTTP/1.1 413"), answer
+    assert b"100 Continue" not in answer
+    assert httpx.get(url(cache_proxy, "toolarge")).status_code == 404
+
+
+def test_auth_is_checked_before_size(cache_proxy: ServerThread) -> None:
+    answer, sock = _raw_put_headers(
+        cache_proxy, "k", {"Content-Length": "2000000", "Expect": "100-continue"}
+    )
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 401"), answer
+
+
+def test_body_without_content_length_over_the_limit_is_413_and_not_stored(
+    cache_proxy: ServerThread, tmp_path: Path
+) -> None:
+    def chunks() -> object:
+        for _ in range(20):
+            yield b"x" * 100_000
+
+    response = httpx.put(url(cache_proxy, "streamed"), content=chunks(), auth=CI)  # type: ignore[arg-type]
+    assert response.status_code == 413
+    assert httpx.get(url(cache_proxy, "streamed")).status_code == 404
+    assert list((tmp_path / "data" / "tmp").iterdir()) == []
+    small = httpx.put(url(cache_proxy, "small"), content=iter([b"a" * 1000, b"b"]), auth=CI)
+    assert small.status_code == 201
+    assert httpx.get(url(cache_proxy, "small")).content == b"a" * 1000 + b"b"
+
+
+@pytest.mark.parametrize(
+    "key", ["-starts-with-dash", "has/slash", "a" * 300, "sp%20ace", "..", "%2e%2e", ""]
+)
+def test_bad_keys_are_400(cache_proxy: ServerThread, key: str) -> None:
+    status, body = raw_get(cache_proxy.url, f"/gradle-cache/{key}")
+    assert status == 400, body
+
+
+def test_other_methods_are_405(cache_proxy: ServerThread) -> None:
+    response = httpx.delete(url(cache_proxy, "k"), auth=CI)
+    assert response.status_code == 405
+    assert "PUT" in response.headers["allow"]
+
+
+def test_sweep_keeps_the_repository_under_max_size_by_last_access(
+    tmp_path: Path, start_proxy: ProxyFactory
+) -> None:
+    config = cache_config(
+        tmp_path / "data",
+        extra='max_size = "3MB"',
+        jobs='[jobs]\nsweep_interval = "1s"',
+    )
+    proxy = start_proxy(load(write_config(tmp_path, config), {"CI_PASSWORD": CI[1]}))
+    keys = [f"entry{i}" for i in range(4)]
+    for key in keys[:3]:  # 2.7MB: within the limit, nothing to evict yet
+        assert httpx.put(url(proxy, key), content=os.urandom(900_000), auth=CI).status_code == 201
+        time.sleep(0.02)
+    # The two oldest writes are read again, so by last access entry2 is the oldest.
+    for key in keys[:2]:
+        assert httpx.get(url(proxy, key)).status_code == 200
+        time.sleep(0.02)
+    assert httpx.put(url(proxy, keys[3]), content=os.urandom(900_000), auth=CI).status_code == 201
+    deadline = time.monotonic() + 20
+    while not metric_value(httpx.get(proxy.url + "/metrics").text, "proxy_entries_evicted_total"):
+        assert time.monotonic() < deadline, "the sweep never evicted"
+        time.sleep(0.2)
+    present = {key for key in keys if httpx.head(url(proxy, key)).status_code == 200}
+    assert present == {"entry0", "entry1", "entry3"}  # 2.7MB <= 0.9 * 3MB
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'proxy_entries_evicted_total{repository="gradle-cache"} 1.0' in metrics
