@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.requests import Request as StarletteRequest
 from starlette.responses import PlainTextResponse, Response
@@ -26,6 +25,7 @@ from starlette.routing import Route
 from proxy import config as config_module
 from proxy import metrics, responses
 from proxy.blobs import BlobStore
+from proxy.blocking import install_io_executor, run_blocking
 from proxy.cache import Cache
 from proxy.catalog import Catalog, open_catalog
 from proxy.config import RepositorySettings, Settings
@@ -86,6 +86,7 @@ def build_adapter(repo: RepositorySettings, cache: Cache, upstream: Upstream) ->
 def create_app(settings: Settings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        install_io_executor(asyncio.get_running_loop())
         blobs = BlobStore(settings.storage_path)
         blobs.prepare()
         catalog = open_catalog(settings.database_url)
@@ -294,7 +295,7 @@ async def readyz(request: StarletteRequest) -> Response:
     except (CatalogError, TimeoutError) as exc:
         problems.append(f"catalog: {exc or 'timed out'}")
     try:
-        await anyio.to_thread.run_sync(state.blobs.check_writable)
+        await run_blocking(state.blobs.check_writable)
     except OSError as exc:
         problems.append(f"storage: {exc}")
     if state.tasks.closing:

@@ -8,16 +8,17 @@ so a duplicate store is harmless.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import anyio.to_thread
-
+from proxy.blocking import run_blocking
 from proxy.types import Digests
 
 TEMP_SUFFIX = ".part"
@@ -26,14 +27,22 @@ SUPPORTED_DIGESTS = ("md5", "sha1", "sha256", "sha512")
 
 
 class TempBlob:
-    """A temp file being written; readable by others (by path) while it grows."""
+    """A temp file being written; readable by others (by path) while it grows.
+
+    Writes are pipelined: ``write`` hands a chunk to a thread and returns once the
+    previous chunk is written, so the next network read overlaps this disk write.
+    ``written`` counts the bytes already in the file; ``flush`` waits for the rest.
+    """
 
     def __init__(self, path: Path, digests: Iterable[str]) -> None:
         self.path = path
-        self.size = 0
+        self.size = 0  # bytes handed to write()
+        self.written = 0  # bytes in the file
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         names = {"sha256", *digests}
         self._hashers = {name: hashlib.new(name) for name in sorted(names)}
+        self._pending: asyncio.Future[None] | None = None
+        self.on_progress: Callable[[int], None] | None = None  # called with `written`
 
     def _write_sync(self, chunk: bytes) -> None:
         # hashlib releases the GIL on large buffers, so hashing here runs beside the loop.
@@ -47,10 +56,29 @@ class TempBlob:
     async def write(self, chunk: bytes) -> None:
         if not chunk:
             return
-        await anyio.to_thread.run_sync(self._write_sync, chunk)
+        await self.flush()
+        pending = asyncio.get_running_loop().run_in_executor(None, self._write_sync, chunk)
+        # Announce progress the moment the bytes are in the file, not at the next write:
+        # readers must not wait for the upstream's next chunk to see this one.
+        pending.add_done_callback(functools.partial(self._written, n_bytes=len(chunk)))
+        self._pending = pending
         self.size += len(chunk)
 
+    def _written(self, future: asyncio.Future[None], *, n_bytes: int) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        self.written += n_bytes
+        if self.on_progress is not None:
+            self.on_progress(self.written)
+
+    async def flush(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            await pending
+
     def digests(self) -> Digests:
+        """The digests of what was written; call after ``flush``."""
+        assert self._pending is None, "digests() before flush()"
         return {name: hasher.hexdigest() for name, hasher in self._hashers.items()}
 
     @property
@@ -58,7 +86,8 @@ class TempBlob:
         return self._hashers["sha256"].hexdigest()
 
     async def sync(self) -> None:
-        await anyio.to_thread.run_sync(os.fsync, self._fd)
+        await self.flush()
+        await run_blocking(os.fsync, self._fd)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -66,7 +95,12 @@ class TempBlob:
             self._fd = -1
 
     def discard(self) -> None:
-        self.close()
+        if self._pending is not None:
+            # A write still in its thread owns the descriptor: close once it is done.
+            self._pending.add_done_callback(lambda _f: self.close())
+            self._pending = None
+        else:
+            self.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -91,11 +125,11 @@ class BlobStore:
 
     async def publish(self, temp: TempBlob) -> str:
         """fsync the temp file and move it to its content address; returns the sha256."""
+        await temp.sync()  # first: the last pending write is hashed too
         sha256 = temp.sha256
-        await temp.sync()
         temp.close()
         target = self.path(sha256)
-        await anyio.to_thread.run_sync(_move_into_place, temp.path, target)
+        await run_blocking(_move_into_place, temp.path, target)
         return sha256
 
     def exists(self, sha256: str) -> bool:
@@ -109,7 +143,7 @@ class BlobStore:
             except FileNotFoundError:
                 return False
 
-        return await anyio.to_thread.run_sync(unlink)
+        return await run_blocking(unlink)
 
     def check_writable(self) -> None:
         """Raise OSError unless a temp file can be created and removed (for /readyz)."""

@@ -14,8 +14,6 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 
-import anyio.to_thread
-
 from proxy.catalog import Entry
 
 READ_CHUNK_BYTES = 1024 * 1024
@@ -36,9 +34,10 @@ class Download:
 
     # -- writer side ---------------------------------------------------------------
 
-    def advance(self, n_bytes: int) -> None:
-        self.written += n_bytes
-        self._announce()
+    def advance_to(self, written: int) -> None:
+        if written > self.written:
+            self.written = written
+            self._announce()
 
     def finish(self, entry: Entry | None, final_path: str) -> None:
         """The body is complete, verified and published at ``final_path``.
@@ -95,7 +94,9 @@ class Download:
                 readable = self.written if self.finished else self.written - 1
                 if offset < readable:
                     size = min(readable - offset, READ_CHUNK_BYTES)
-                    data = await anyio.to_thread.run_sync(os.pread, fd, size, offset)
+                    # Just written, so in the page cache: a read here is cheaper than
+                    # a hop to a thread (this runs once per chunk per client).
+                    data = os.pread(fd, size, offset)
                     if not data:
                         raise OSError(f"download file ended at {offset} of {self.written} bytes")
                     offset += len(data)

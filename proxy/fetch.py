@@ -351,14 +351,21 @@ class Fetcher:
         download = Download(str(temp.path), fetched.content_type, fetched.length)
         flight.download = download
         upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=spec.repository)
+
+        def progressed(written: int) -> None:
+            download.advance_to(written)
+            # Clients start on the first bytes, unless those are the whole body: then
+            # its verification decides the answer (a clean 502 instead of a cut-off).
+            whole_body_in = download.total is not None and written >= download.total
+            if spec.stream and not whole_body_in:
+                flight.settle(Streaming(download))
+
+        temp.on_progress = progressed
         try:
             async for chunk in fetched.body:
                 await temp.write(chunk)
                 upstream_bytes.inc(len(chunk))
-                download.advance(len(chunk))
-                whole_body_in = download.total is not None and download.written >= download.total
-                if spec.stream and not whole_body_in:
-                    flight.settle(Streaming(download))
+            await temp.flush()
             computed = temp.digests()
             if fetched.expected_later is not None:
                 later = await fetched.expected_later()

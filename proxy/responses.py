@@ -14,9 +14,8 @@ import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 
-import anyio.to_thread
-
 from proxy import metrics
+from proxy.blocking import run_blocking
 from proxy.catalog import Entry
 from proxy.download import Download
 from proxy.types import Receive, Scope, Send
@@ -94,7 +93,7 @@ class FileResponse:
             offset, end = self.start, self.start + self.length
             while offset < end and not disconnected.is_set():
                 size = min(READ_CHUNK_BYTES, end - offset)
-                data = await anyio.to_thread.run_sync(os.pread, self.fd, size, offset)
+                data = await run_blocking(os.pread, self.fd, size, offset)
                 if not data:
                     # The file shrank under us (it never should): end the response short.
                     return

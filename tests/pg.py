@@ -8,6 +8,7 @@ an existing server instead; tests that stop the server always start their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -88,10 +89,8 @@ class PostgresServer:
         self._run(find_pg_binary("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
 
     def destroy(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):
             self.stop("immediate")
-        except RuntimeError:
-            pass
         shutil.rmtree(self.base, ignore_errors=True)
 
     @property

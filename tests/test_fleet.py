@@ -227,7 +227,7 @@ def test_sigkill_of_the_holder_is_taken_over_after_expiry(
         first = asyncio.ensure_future(fetch_digests([replicas[0].url + path]))
         row = await asyncio.to_thread(wait_for_holder, pg_url, FILE_KEY)
         assert holder_pid(row) == replicas[0].pid
-        others = asyncio.ensure_future(
+        others = asyncio.ensure_future(  # noqa: RUF006
             fetch_digests([r.url + path for r in replicas[1:] for _ in range(3)])
         )
         await asyncio.sleep(1.0)  # mid-download

@@ -214,8 +214,9 @@ async def test_wait_ends_with_the_entry_the_holder_stored(catalog: Catalog) -> N
         await catalog.put_entry(entry)
         await held.release("done")
 
-    asyncio.ensure_future(finish())
+    finishing = asyncio.ensure_future(finish())
     result = await asyncio.wait_for(waiter.wait("r", "k", find), 5)
+    await finishing
     assert result.verdict is Verdict.ENTRY and result.entry == entry
     await holder_tasks.close(1)
     await waiter_tasks.close(1)
@@ -239,8 +240,9 @@ async def test_wait_ends_on_failed_or_released(
         await asyncio.sleep(0.2)
         await held.release(state)
 
-    asyncio.ensure_future(finish())
+    finishing = asyncio.ensure_future(finish())
     result = await asyncio.wait_for(waiter.wait("r", "k", find), 5)
+    await finishing
     assert result.verdict is verdict and result.fence == held.fence
     await holder_tasks.close(1)
     await waiter_tasks.close(1)

@@ -115,7 +115,8 @@ class FakeUpstream:
             if fault.delay_s:
                 await asyncio.sleep(fault.delay_s)
             if fault.hang:
-                while not self.released.is_set() and self.faults.get(path) is fault:
+                # A thread-safe flag set by the test thread, so polled here.
+                while not self.released.is_set() and self.faults.get(path) is fault:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
                 return
             if fault.redirect_to:

@@ -392,7 +392,7 @@ class PostgresCatalog:
                     timeout=CONNECT_TIMEOUT_S,
                     server_settings={"application_name": LISTENER_APPLICATION_NAME},
                 )
-                conn.add_termination_listener(lambda _conn: lost.set())
+                conn.add_termination_listener(lambda _conn, lost=lost: lost.set())
                 await conn.add_listener(
                     NOTIFY_CHANNEL, lambda _conn, _pid, _channel, payload: on_notify(payload)
                 )

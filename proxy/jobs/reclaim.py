@@ -11,10 +11,9 @@ import os
 import re
 import time
 
-import anyio.to_thread
-
 from proxy import metrics
 from proxy.blobs import BlobStore
+from proxy.blocking import run_blocking
 from proxy.catalog import Catalog, now_ms
 from proxy.config import Settings
 
@@ -52,7 +51,7 @@ class Reclaim:
     async def run(self) -> str:
         leases = await self.catalog.purge_leases(self.settings.leases.retention_s)
         metrics.LEASES_PURGED.inc(leases)
-        temps = await anyio.to_thread.run_sync(self.blobs.remove_stale_temps, STALE_TEMP_AGE_S)
+        temps = await run_blocking(self.blobs.remove_stale_temps, STALE_TEMP_AGE_S)
         negatives = await self.catalog.delete_expired_negatives(
             now_ms() - int(NEGATIVE_RETENTION_S * 1000)
         )
@@ -73,7 +72,7 @@ class Reclaim:
             ]
 
         removed = 0
-        for sha256 in await anyio.to_thread.run_sync(candidates):
+        for sha256 in await run_blocking(candidates):
             if await remove_blob_if_orphan(self.catalog, self.blobs, sha256, ORPHAN_BLOB_MIN_AGE_S):
                 removed += 1
         return removed
