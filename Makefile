@@ -1,5 +1,5 @@
 # The two set-up commands: `make serve` and `make test`. Both create .venv when missing.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp

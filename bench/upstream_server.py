@@ -2,6 +2,8 @@
 
 ``ROOT/{project}/{file}`` is listed at ``/simple/{project}/`` (with its sha256) and
 streamed from ``/packages/{project}/{file}`` in 1 MiB reads, optionally throttled.
+Any other path is a file under ROOT (a Maven-layout folder; symlinks followed).
+``/_counts`` returns how many requests each path got.
 
     python bench/upstream_server.py --root DIR --port 8900 [--rate-mbps 50]
 """
@@ -64,10 +66,10 @@ class FolderIndex:
                 )
             body = ("<html><body>" + "\n".join(links) + "</body></html>").encode()
             return await _send(send, 200, body, "text/html")
-        if path.startswith("/packages/"):
-            file = self.root / path[len("/packages/") :]
-            if ".." in path or not file.is_file():
-                return await _send(send, 404, b"not found", "text/plain")
+        file = self.root / (
+            path[len("/packages/") :] if path.startswith("/packages/") else path.lstrip("/")
+        )
+        if ".." not in path.split("/") and file.is_file():
             size = file.stat().st_size
             headers = [
                 (b"content-type", b"application/octet-stream"),
@@ -77,6 +79,9 @@ class FolderIndex:
             loop = asyncio.get_running_loop()
             started = loop.time()
             sent = 0
+            if size == 0:
+                await send({"type": "http.response.body", "body": b""})
+                return
             fd = os.open(file, os.O_RDONLY)
             try:
                 while sent < size:

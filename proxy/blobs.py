@@ -112,6 +112,7 @@ class BlobStore:
         self.root = root
         self.blobs_dir = root / "blobs"
         self.tmp_dir = root / "tmp"
+        self._blobs_prefix = f"{self.blobs_dir}/"
 
     def prepare(self) -> None:
         self.blobs_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +120,10 @@ class BlobStore:
 
     def path(self, sha256: str) -> Path:
         return self.blobs_dir / sha256[:2] / sha256[2:4] / sha256
+
+    def path_str(self, sha256: str) -> str:
+        """``path`` as a string, built without pathlib: it runs on every cache hit."""
+        return f"{self._blobs_prefix}{sha256[:2]}/{sha256[2:4]}/{sha256}"
 
     def new_temp(self, digests: Iterable[str] = ()) -> TempBlob:
         return TempBlob(self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}", digests)

@@ -171,7 +171,7 @@ class Cache:
 
     def path_of(self, entry: Entry) -> str:
         assert entry.sha256 is not None
-        return str(self.blobs.path(entry.sha256))
+        return self.blobs.path_str(entry.sha256)
 
     async def forget(self, entry: Entry) -> None:
         self.index.drop(entry.repository, entry.key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import hashlib
 import os
 from collections import OrderedDict
@@ -158,7 +159,9 @@ def etag_of(sha256: str) -> str:
     return f'"{sha256}"'
 
 
+@functools.lru_cache(maxsize=4096)
 def http_date(ms: int) -> str:
+    # Cached: every hit on an entry without an upstream Last-Modified formats its time.
     return email.utils.formatdate(ms / 1000, usegmt=True)
 
 

@@ -60,8 +60,12 @@ def parse_size(value: object) -> int:
 
 
 def format_size(n_bytes: int) -> str:
-    """The shortest exact binary spelling, for messages and `check-config`."""
-    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    """The largest exact unit, binary or decimal, for messages and `check-config`."""
+    units = (
+        ("TiB", 2**40), ("TB", 10**12), ("GiB", 2**30), ("GB", 10**9),
+        ("MiB", 2**20), ("MB", 10**6), ("KiB", 2**10), ("KB", 10**3),
+    )  # fmt: skip
+    for unit, factor in units:
         if n_bytes >= factor and n_bytes % factor == 0:
             return f"{n_bytes // factor}{unit}"
     return f"{n_bytes}B"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import textwrap
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -13,6 +12,7 @@ import pytest
 from proxy.app import create_app
 from proxy.catalog import Catalog, open_catalog
 from proxy.config import Settings, load
+from tests.maven_repo import MissingMavenRepo, copy_with_checksums
 from tests.pg import PostgresServer, create_database, drop_database
 from tests.upstream import FakeUpstream, ServerThread, start_upstream
 
@@ -143,33 +143,11 @@ async def catalog(database_url: str) -> AsyncIterator[Catalog]:
 
 # -- Debian's system Maven repository, as a real upstream ------------------------------
 
-DEBIAN_MAVEN_REPO = Path("/usr/share/maven-repo")
-DEBIAN_MAVEN_PACKAGES = (
-    "libmaven-resources-plugin-java libmaven-compiler-plugin-java libmaven-jar-plugin-java "
-    "libsurefire-java libmaven-install-plugin-java libmaven-clean-plugin-java junit4"
-)
-
 
 @pytest.fixture(scope="session")
 def debian_maven_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of Debian's Maven repository with a .sha1 beside every file.
-
-    Files are absolute symlinks to the originals (the repository is ~300 MB of jars);
-    the generated .sha1 files make the proxy verify every artifact it stores.
-    """
-    needed = DEBIAN_MAVEN_REPO / "org/apache/maven/plugins/maven-surefire-plugin"
-    if not needed.is_dir():
-        pytest.fail(f"{needed} is missing: apt-get install {DEBIAN_MAVEN_PACKAGES} (.ci/run does)")
-    copy = tmp_path_factory.mktemp("maven-repo")
-    for folder, _dirs, files in os.walk(DEBIAN_MAVEN_REPO):
-        target_dir = copy / Path(folder).relative_to(DEBIAN_MAVEN_REPO)
-        target_dir.mkdir(parents=True, exist_ok=True)
-        for name in files:
-            source = Path(folder) / name
-            real = source.resolve()
-            if not real.is_file() or name.endswith((".sha1", ".md5", ".sha256", ".sha512")):
-                continue
-            (target_dir / name).symlink_to(real)
-            digest = hashlib.sha1(real.read_bytes()).hexdigest()
-            (target_dir / f"{name}.sha1").write_text(digest)
-    return copy
+    """A copy of Debian's Maven repository with a .sha1 beside every file."""
+    try:
+        return copy_with_checksums(tmp_path_factory.mktemp("maven-repo"))
+    except MissingMavenRepo as exc:
+        pytest.fail(str(exc))

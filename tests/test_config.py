@@ -251,3 +251,15 @@ def test_check_config_command(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "leases.ttl:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_example_config_is_valid_and_documents_every_key() -> None:
+    settings = load("config.example.toml", {"GRADLE_CACHE_CI_PASSWORD": "x"})
+    assert [r.name for r in settings.repositories] == ["pypi", "maven", "gradle-cache"]
+    described = settings.describe()
+    example = Path("config.example.toml").read_text()
+    for line in described.splitlines():
+        key = line.split("=")[0].strip()
+        if key and not key.startswith(("#", "[", "users.")):
+            assert f"{key} =" in example, f"{key} is not documented in config.example.toml"
+    assert 'max_entry_size = "100MB"' in described

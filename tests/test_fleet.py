@@ -35,6 +35,7 @@ def fleet_config(
     metadata_ttl: str = "10m",
     extra_leases: str = "",
     extra: str = "",
+    jobs: str = "",
     name: str = "fleet.toml",
 ) -> Path:
     path = tmp_path / name
@@ -51,13 +52,14 @@ retries = 0
 ttl = "{ttl}"
 poll_interval = "250ms"
 {extra_leases}
-{extra}
+{jobs}
 [[repositories]]
 name = "pypi"
 format = "pypi"
 upstream = "{upstream_url}/simple/"
 metadata_ttl = "{metadata_ttl}"
 negative_ttl = "1m"
+{extra}
 """)
     return path
 
@@ -466,7 +468,7 @@ def test_reclaim_purges_lease_rows_after_retention(
     upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
     config = fleet_config(
         tmp_path, pg_url, upstream.base_url,
-        extra_leases='retention = "1s"', extra='[jobs]\nreclaim_interval = "1s"',
+        extra_leases='retention = "1s"', jobs='[jobs]\nreclaim_interval = "1s"',
     )  # fmt: skip
     [replica, other] = make_fleet(fleet, tmp_path, config).start(2)
     assert httpx.get(replica.url + "/pypi/simple/alpha/").status_code == 200
@@ -479,3 +481,23 @@ def test_reclaim_purges_lease_rows_after_retention(
         r.metric("proxy_job_runs_total", job="reclaim", outcome="ran") for r in (replica, other)
     )
     assert ran >= 1
+
+
+def test_build_cache_put_is_durable_and_readable_from_every_replica(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+) -> None:
+    config = fleet_config(
+        tmp_path, pg_url, upstream.base_url,
+        extra='[[repositories]]\nname = "gradle-cache"\nformat = "gradle-build-cache"\nanonymous = "write"',
+    )  # fmt: skip
+    a, b = make_fleet(fleet, tmp_path, config).start(2)
+    body = os.urandom(200_000)
+    assert httpx.put(a.url + "/gradle-cache/key1", content=body).status_code == 201
+    # Acknowledged means durable: even if the writer dies at once, others serve it.
+    a.signal(signal.SIGKILL)
+    assert httpx.get(b.url + "/gradle-cache/key1").content == body
+    replaced = os.urandom(1000)
+    assert httpx.put(b.url + "/gradle-cache/key1", content=replaced).status_code == 201
+    [c] = make_fleet(fleet, tmp_path, config).start(1)
+    assert httpx.get(c.url + "/gradle-cache/key1").content == replaced
+    assert httpx.get(b.url + "/gradle-cache/key1").content == replaced
