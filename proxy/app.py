@@ -54,6 +54,7 @@ log = logging.getLogger("proxy.app")
 ACCESS_FLUSH_INTERVAL_S = 5.0
 SHUTDOWN_TASK_TIMEOUT_S = 10.0
 READY_CHECK_TIMEOUT_S = 2.0
+BODY_METHODS = frozenset({"PUT", "POST", "PATCH"})
 KNOWN_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"})
 
 
@@ -152,6 +153,8 @@ def create_app(settings: Settings) -> Starlette:
             log.info("shut down: flushed %d access times", flushed)
             await client.aclose()
             await catalog.close()
+            # With several workers, drop this process's live gauges from the aggregate.
+            metrics.mark_process_dead(os.getpid())
 
     return Starlette(
         routes=[
@@ -236,6 +239,15 @@ class Dispatcher:
                     response = await adapter.handle(request)
             except ProxyError as exc:
                 response = _error_response(exc, state)
+            refused_upload = (
+                method in BODY_METHODS
+                and isinstance(response, responses.BodyResponse)
+                and response.status >= 400
+            )
+            if refused_upload:
+                # The body may be unread (e.g. a 413 or 401 after Expect: 100-continue):
+                # close the connection so it is never parsed as the next request.
+                response.headers.append((b"connection", b"close"))
             await response(scope, receive, send_counting)
         finally:
             method_label = method if method in KNOWN_METHODS else "other"

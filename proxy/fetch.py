@@ -354,10 +354,10 @@ class Fetcher:
 
         def progressed(written: int) -> None:
             download.advance_to(written)
-            # Clients start on the first bytes, unless those are the whole body: then
-            # its verification decides the answer (a clean 502 instead of a cut-off).
-            whole_body_in = download.total is not None and written >= download.total
-            if spec.stream and not whole_body_in:
+            # Clients start on the first bytes when the length is known (they always get
+            # a Content-Length), unless those bytes are the whole body: then verification
+            # decides the answer (a clean 502 rather than a cut-off transfer).
+            if spec.stream and download.total is not None and written < download.total:
                 flight.settle(Streaming(download))
 
         temp.on_progress = progressed
@@ -366,6 +366,10 @@ class Fetcher:
                 await temp.write(chunk)
                 upstream_bytes.inc(len(chunk))
             await temp.flush()
+            if fetched.length is not None and temp.size != fetched.length:
+                raise UpstreamUnavailable(
+                    f"{spec.key}: upstream sent {temp.size} bytes, {fetched.length} expected"
+                )
             computed = temp.digests()
             if fetched.expected_later is not None:
                 later = await fetched.expected_later()

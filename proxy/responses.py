@@ -208,10 +208,13 @@ def blob(
     headers.append((b"etag", etag.encode()))
     headers.append((b"last-modified", last_modified.encode("latin-1")))
     headers.append((b"accept-ranges", b"bytes"))
-    if _matches_etag(request_headers.get("if-none-match"), etag):
+    if_none_match = request_headers.get("if-none-match")
+    if _matches_etag(if_none_match, etag) or (
+        if_none_match is None
+        and _not_modified_since(last_modified, request_headers.get("if-modified-since"))
+    ):
         return BodyResponse(304, headers, b"", entry.repository)
-    unmodified_since = request_headers.get("if-unmodified-since")
-    if unmodified_since and _modified_after(entry.fetched_at_ms, last_modified, unmodified_since):
+    if _modified_after(last_modified, request_headers.get("if-unmodified-since")):
         return error(412, "the entry changed since the given If-Unmodified-Since date")
 
     size = entry.size
@@ -288,13 +291,26 @@ def _if_range_holds(if_range: str | None, etag: str, last_modified: str) -> bool
     return if_range == last_modified
 
 
-def _modified_after(fetched_at_ms: int, last_modified: str, since: str) -> bool:
+def _seconds_newer(last_modified: str, header: str | None) -> float | None:
+    """How much newer ``last_modified`` is than the date in ``header`` (None: no date)."""
+    if not header:
+        return None
     try:
-        since_ts = email.utils.parsedate_to_datetime(since).timestamp()
+        since_ts = email.utils.parsedate_to_datetime(header).timestamp()
         modified_ts = email.utils.parsedate_to_datetime(last_modified).timestamp()
     except (TypeError, ValueError):
-        return False
-    return modified_ts > since_ts
+        return None
+    return float(modified_ts - since_ts)
+
+
+def _not_modified_since(last_modified: str, header: str | None) -> bool:
+    newer = _seconds_newer(last_modified, header)
+    return newer is not None and newer <= 0
+
+
+def _modified_after(last_modified: str, header: str | None) -> bool:
+    newer = _seconds_newer(last_modified, header)
+    return newer is not None and newer > 0
 
 
 def _parse_range(header: str, size: int) -> tuple[int, int] | str | None:
@@ -303,7 +319,7 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | str | None:
     if unit.strip().lower() != "bytes" or "," in spec:
         return None  # unknown unit or several ranges: answer with the whole body
     first, sep, last = spec.strip().partition("-")
-    if not sep:
+    if not sep or not (first.isdigit() or first == "") or not (last.isdigit() or last == ""):
         return None
     try:
         if first == "":

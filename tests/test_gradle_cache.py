@@ -191,3 +191,33 @@ def test_sweep_keeps_the_repository_under_max_size_by_last_access(
     assert present == {"entry0", "entry1", "entry3"}  # 2.7MB <= 0.9 * 3MB
     metrics = httpx.get(proxy.url + "/metrics").text
     assert 'proxy_entries_evicted_total{repository="gradle-cache"} 1.0' in metrics
+
+
+def test_non_ascii_credentials_are_401_not_500(cache_proxy: ServerThread) -> None:
+    sock = socket.create_connection(("127.0.0.1", cache_proxy.port), timeout=10)
+    sock.sendall(
+        b"GET /gradle-cache/k HTTP/1.1\r\nHost: x\r\nAuthorization: Basic \xe9\xe9\r\nConnection: close\r\n\r\n"
+    )
+    answer = sock.recv(65536)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 401"), answer
+
+
+@pytest.mark.parametrize("auth", [None, READER])
+def test_refused_put_closes_the_connection_so_the_unread_body_is_never_a_request(
+    cache_proxy: ServerThread, auth: tuple[str, str] | None
+) -> None:
+    headers = {"Content-Length": "20", "Expect": "100-continue"}
+    if auth is not None:
+        headers["Authorization"] = (
+            "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        )
+    answer, sock = _raw_put_headers(cache_proxy, "k", headers)
+    try:
+        assert answer.split(b" ")[1] in (b"401", b"403")
+        assert b"connection: close" in answer.lower()
+        sock.settimeout(5)
+        while sock.recv(65536):  # the rest of the answer, then the server closes
+            pass
+    finally:
+        sock.close()

@@ -423,3 +423,58 @@ def test_prefixes_file_of_one_upstream_is_not_passed_through(
     assert upstream.count("/.meta/prefixes.txt") == 0
     single = httpx.get(maven_proxy.url + "/maven/.meta/prefixes.txt")
     assert single.status_code == 200 and b"/org/example" in single.content
+
+
+def test_verification_uses_the_strongest_usable_upstream_checksum(
+    maven_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    body = os.urandom(20_000)
+    publish(upstream, JAR, body, ("sha1",))
+    upstream.files[JAR + ".md5"] = b"0" * 32  # a wrong weaker checksum beside a good one
+    upstream.files[JAR + ".sha512"] = b"<html>not a checksum</html>"  # garbled: ignored
+    upstream.fault(JAR + ".sha256", status=500)  # unavailable: ignored
+    response = httpx.get(maven_proxy.url + "/maven" + JAR)
+    assert response.status_code == 200 and response.content == body
+    # The strongest usable one decides: a wrong sha256 fails even beside a good sha1.
+    other = "/org/example/lib/1.0/lib-1.0-tests.jar"
+    publish(upstream, other, body, ("sha1",))
+    upstream.files[other + ".sha256"] = b"f" * 64
+    assert httpx.get(maven_proxy.url + "/maven" + other).status_code == 502
+
+
+def test_metadata_checksum_never_refreshes_the_metadata(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    config = maven_config(tmp_path / "data", [upstream.base_url]).replace(
+        'metadata_ttl = "30m"', 'metadata_ttl = "1s"'
+    )
+    proxy = start_proxy(load(write_config(tmp_path, config), {}))
+    first = b"<metadata><version>1.0</version></metadata>"
+    publish(upstream, METADATA, first)
+    assert httpx.get(proxy.url + "/maven" + METADATA).content == first
+    time.sleep(1.2)
+    publish(upstream, METADATA, first.replace(b"1.0", b"2.0"))
+    # The client holds the first bytes: their checksum, not the new file's.
+    assert httpx.get(f"{proxy.url}/maven{METADATA}.sha1").text == hashlib.sha1(first).hexdigest()
+    assert upstream.count(METADATA) == 1
+
+
+def test_retry_after_of_an_upstream_is_passed_on(
+    maven_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    upstream.fault(JAR, status=429, retry_after="30")
+    response = httpx.get(maven_proxy.url + "/maven" + JAR)
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "30"
+
+
+def test_head_falls_back_to_get_when_the_upstream_refuses_head(
+    maven_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    body = os.urandom(1000)
+    publish(upstream, POM, body)
+    upstream.fault(POM, status=405)  # applies to HEAD and GET alike here ...
+    upstream.faults[POM].times = 1  # ... but only once: the HEAD
+    head = httpx.head(maven_proxy.url + "/maven" + POM)
+    assert head.status_code == 200
+    assert head.headers["content-length"] == str(len(body))

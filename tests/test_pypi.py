@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -371,3 +372,86 @@ def test_methods_other_than_get_head_are_405(pypi_proxy: ServerThread) -> None:
     response = httpx.post(pypi_proxy.url + "/pypi/simple/alpha/", content=b"x")
     assert response.status_code == 405
     assert response.headers["allow"] == "GET, HEAD"
+
+
+def test_garbage_in_upstream_pages_is_skipped_not_a_500(
+    pypi_proxy: ServerThread, upstream: FakeUpstream, alpha: ProjectFile
+) -> None:
+    good = json.dumps(
+        {
+            "meta": {"api-version": "1.1"},
+            "name": ["not", "a", "string"],
+            "versions": [None, "1.0"],
+            "files": [
+                {"filename": "bad.whl", "url": "http://[bad/x.whl", "hashes": {}},
+                {
+                    "filename": "ok-1.0.tar.gz",
+                    "url": "ok-1.0.tar.gz",
+                    "hashes": {"sha256": "ab\n"},
+                    "requires-python": 3,
+                    "size": "big",
+                },
+            ],
+        }
+    ).encode()
+    upstream.files["/simple/weird/"] = good
+    for accept in (JSON_V1, "text/html"):
+        response = get(pypi_proxy, "/pypi/simple/weird/", headers={"Accept": accept})
+        assert response.status_code == 200, response.text
+        assert "bad.whl" not in response.text
+        assert "ok-1.0.tar.gz" in response.text
+    data = get(pypi_proxy, "/pypi/simple/weird/", headers={"Accept": JSON_V1}).json()
+    assert data["name"] == "weird"
+    assert data["files"][0]["hashes"] == {}
+    assert "requires-python" not in data["files"][0]
+    html_page = get(pypi_proxy, "/pypi/simple/weird/", headers={"Accept": "text/html"}).text
+    assert '<a href="http://[bad' not in html_page
+
+
+def test_html_escaping_of_names_and_reasons(
+    pypi_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    f = ProjectFile('odd-1.0&"<x>.tar.gz', b"odd", yanked='broken <see "issue"> & more')
+    upstream.add_project("odd", [f])
+    body = get(pypi_proxy, "/pypi/simple/odd/", headers={"Accept": "text/html"}).text
+    assert 'data-yanked="broken &lt;see &quot;issue&quot;&gt; &amp; more"' in body
+    assert ">odd-1.0&amp;&quot;&lt;x&gt;.tar.gz</a>" in body
+    assert 'href="../../files/odd/odd-1.0%26%22%3Cx%3E.tar.gz#sha256=' in body
+    response = get(pypi_proxy, "/pypi/files/odd/odd-1.0%26%22%3Cx%3E.tar.gz")
+    assert response.status_code == 200 and response.content == b"odd"
+
+
+def test_a_wildcard_does_not_override_an_explicit_refusal(
+    pypi_proxy: ServerThread, alpha: ProjectFile
+) -> None:
+    response = get(pypi_proxy, "/pypi/simple/alpha/", headers={"Accept": "text/html;q=0, */*"})
+    assert response.status_code == 200
+    assert not response.headers["content-type"].startswith("text/html")
+    refused = get(pypi_proxy, "/pypi/simple/alpha/", headers={"Accept": "application/json"})
+    assert refused.headers["vary"] == "Accept"
+
+
+def test_miss_of_a_chunked_upstream_body_still_has_a_content_length(
+    pypi_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    body = os.urandom(3 * 1024 * 1024)
+    f = ProjectFile("chunky-1.0.tar.gz", body)
+    upstream.add_project("chunky", [f])
+    upstream.fault(
+        f"/packages/{f.filename}", chunked=True, chunk_size=256 * 1024, chunk_delay_s=0.01
+    )
+    for accept in (JSON_V1, "text/html"):  # with and without a size in the index
+        get(pypi_proxy, "/pypi/simple/chunky/", headers={"Accept": accept})
+    response = get(pypi_proxy, f"/pypi/files/chunky/{f.filename}")
+    assert response.status_code == 200
+    assert response.headers["content-length"] == str(len(body))
+    assert response.content == body
+
+
+def test_if_modified_since(pypi_proxy: ServerThread, alpha: ProjectFile) -> None:
+    path = f"/pypi/files/alpha/{alpha.filename}"
+    first = get(pypi_proxy, path)
+    same = get(pypi_proxy, path, headers={"If-Modified-Since": first.headers["last-modified"]})
+    assert same.status_code == 304
+    old = get(pypi_proxy, path, headers={"If-Modified-Since": "Mon, 01 Jan 2001 00:00:00 GMT"})
+    assert old.status_code == 200 and old.content == alpha.body

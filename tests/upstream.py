@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote
 
 import uvicorn
 
@@ -42,6 +43,7 @@ class Fault:
     chunk_delay_s: float = 0.0  # sleep between body chunks (a slow upstream)
     redirect_to: str | None = None  # answer 303 with this Location
     retry_after: str | None = None
+    chunked: bool = False  # no Content-Length: the body is sent chunked
 
 
 @dataclass
@@ -149,7 +151,8 @@ class FakeUpstream:
     ) -> bool:
         if fault is not None and fault.corrupt:
             body = bytes(b ^ 0xFF for b in body)
-        headers = [*headers, (b"content-length", str(len(body)).encode())]
+        if fault is None or not fault.chunked:
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         limit = len(body)
         if fault is not None and fault.truncate_at is not None:
@@ -173,10 +176,17 @@ class FakeUpstream:
     def _resolve(
         self, path: str, headers: dict[str, str]
     ) -> tuple[int, bytes, str, list[tuple[bytes, bytes]]] | None:
+        if path in self.files:
+            content_type = (
+                "application/vnd.pypi.simple.v1+json"
+                if path.startswith("/simple/")
+                else "application/octet-stream"
+            )
+            return 200, self.files[path], content_type, []
         if path.startswith("/simple/"):
             return self._index(path, headers)
         if path.startswith("/packages/"):
-            name = path[len("/packages/") :]
+            name = unquote(path[len("/packages/") :])
             for files in self.projects.values():
                 for f in files:
                     if name == f.filename:
@@ -218,7 +228,7 @@ class FakeUpstream:
                 for f in files:
                     item: dict[str, Any] = {
                         "filename": f.filename,
-                        "url": prefix + f.filename,
+                        "url": prefix + quote(f.filename),
                         "hashes": {"sha256": f.sha256},
                         "size": len(f.body),
                     }
@@ -239,7 +249,8 @@ class FakeUpstream:
             else:
                 links = []
                 for f in files:
-                    attrs = f'href="{prefix}{f.filename}#sha256={f.sha256}"'
+                    href = html.escape(f"{prefix}{quote(f.filename)}#sha256={f.sha256}")
+                    attrs = f'href="{href}"'
                     if f.requires_python:
                         attrs += f' data-requires-python="{html.escape(f.requires_python)}"'
                     if f.yanked:
@@ -248,7 +259,7 @@ class FakeUpstream:
                     if f.metadata is not None:
                         digest = hashlib.sha256(f.metadata).hexdigest()
                         attrs += f' data-core-metadata="sha256={digest}"'
-                    links.append(f"<a {attrs}>{f.filename}</a><br/>")
+                    links.append(f"<a {attrs}>{html.escape(f.filename)}</a><br/>")
                 body = ("<html><body>" + "\n".join(links) + "</body></html>").encode()
         etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
         if headers.get("if-none-match") == etag:

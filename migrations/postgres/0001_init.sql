@@ -25,6 +25,7 @@ CREATE TABLE links (
     key            text   NOT NULL,
     url            text   NOT NULL,
     digests        jsonb  NOT NULL DEFAULT '{}',
+    size           bigint,
     recorded_at_ms bigint NOT NULL,
     PRIMARY KEY (repository, key)
 );

@@ -24,6 +24,7 @@ CREATE TABLE links (
     key            TEXT    NOT NULL,
     url            TEXT    NOT NULL,
     digests        TEXT    NOT NULL DEFAULT '{}',
+    size           INTEGER,
     recorded_at_ms INTEGER NOT NULL,
     PRIMARY KEY (repository, key)
 );

@@ -69,6 +69,7 @@ class Link:
     key: str
     url: str
     digests: Digests
+    size: int | None = None  # as the index page stated it, when it did
 
 
 @dataclass(frozen=True, slots=True)

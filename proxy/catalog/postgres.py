@@ -73,15 +73,17 @@ BLOB_REFERENCED = "SELECT EXISTS (SELECT 1 FROM entries WHERE sha256 = $1)"
 DELETE_EXPIRED_NEGATIVES = "DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < $1"
 
 UPSERT_LINKS = """
-INSERT INTO links (repository, key, url, digests, recorded_at_ms)
-SELECT t.repository, t.key, t.url, t.digests::jsonb, $5
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS t(repository, key, url, digests)
+INSERT INTO links (repository, key, url, digests, size, recorded_at_ms)
+SELECT t.repository, t.key, t.url, t.digests::jsonb, t.size, $6
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[])
+    AS t(repository, key, url, digests, size)
 ON CONFLICT (repository, key) DO UPDATE SET
-    url = EXCLUDED.url, digests = EXCLUDED.digests, recorded_at_ms = EXCLUDED.recorded_at_ms
+    url = EXCLUDED.url, digests = EXCLUDED.digests, size = EXCLUDED.size,
+    recorded_at_ms = EXCLUDED.recorded_at_ms
 """
-SELECT_LINK = (
-    "SELECT repository, key, url, digests::text FROM links WHERE repository = $1 AND key = $2"
-)
+SELECT_LINK = """
+SELECT repository, key, url, digests::text, size FROM links WHERE repository = $1 AND key = $2
+"""
 
 # acquired_at and expires_at come from the proposed row, evaluated before any wait for
 # the row lock, so a claim that waited long cannot violate the CHECK.
@@ -317,6 +319,7 @@ class PostgresCatalog:
             [link.key for link in links],
             [link.url for link in links],
             [json.dumps(link.digests) for link in links],
+            [link.size for link in links],
             now_ms(),
         )
 
@@ -324,7 +327,7 @@ class PostgresCatalog:
         row = await self._fetchrow("get_link", SELECT_LINK, repository, key)
         if row is None:
             return None
-        return Link(repository=row[0], key=row[1], url=row[2], digests=json.loads(row[3]))
+        return Link(row[0], row[1], row[2], json.loads(row[3]), row[4])
 
     # -- fetch leases -------------------------------------------------------------------
 

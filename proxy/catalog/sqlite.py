@@ -69,11 +69,14 @@ BLOB_REFERENCED = "SELECT 1 FROM entries WHERE sha256 = ? LIMIT 1"
 DELETE_EXPIRED_NEGATIVES = "DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < ?"
 
 UPSERT_LINK = """
-INSERT INTO links (repository, key, url, digests, recorded_at_ms) VALUES (?, ?, ?, ?, ?)
+INSERT INTO links (repository, key, url, digests, size, recorded_at_ms) VALUES (?, ?, ?, ?, ?, ?)
 ON CONFLICT (repository, key) DO UPDATE SET
-    url = excluded.url, digests = excluded.digests, recorded_at_ms = excluded.recorded_at_ms
+    url = excluded.url, digests = excluded.digests, size = excluded.size,
+    recorded_at_ms = excluded.recorded_at_ms
 """
-SELECT_LINK = "SELECT repository, key, url, digests FROM links WHERE repository = ? AND key = ?"
+SELECT_LINK = (
+    "SELECT repository, key, url, digests, size FROM links WHERE repository = ? AND key = ?"
+)
 
 NEXT_FENCE = "INSERT INTO lease_fences DEFAULT VALUES"
 TRIM_FENCES = "DELETE FROM lease_fences WHERE id < ?"
@@ -266,7 +269,8 @@ class SqliteCatalog:
     async def put_links(self, links: Sequence[Link]) -> None:
         at = now_ms()
         params = [
-            (link.repository, link.key, link.url, json.dumps(link.digests), at) for link in links
+            (link.repository, link.key, link.url, json.dumps(link.digests), link.size, at)
+            for link in links
         ]
         if params:
             await self._write(lambda c: c.executemany(UPSERT_LINK, params))
@@ -275,7 +279,7 @@ class SqliteCatalog:
         row = await self._run(lambda c: c.execute(SELECT_LINK, (repository, key)).fetchone())
         if row is None:
             return None
-        return Link(repository=row[0], key=row[1], url=row[2], digests=json.loads(row[3]))
+        return Link(row[0], row[1], row[2], json.loads(row[3]), row[4])
 
     # -- fetch leases -------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ class BuildCacheRepository:
             user_name, sep, password = (
                 base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
             )
-        except (binascii.Error, UnicodeDecodeError):
+        except (binascii.Error, ValueError):  # incl. UnicodeDecodeError, non-ASCII input
             raise Unauthorized("malformed Basic credentials") from None
         user = self.users.get(user_name)
         # Compare even for unknown users, so timing does not reveal which names exist.
@@ -109,16 +109,14 @@ class BuildCacheRepository:
                 # Decided before any body byte is read: with Expect: 100-continue the
                 # client never sends it.
                 return responses.error(
-                    413,
-                    f"{key}: {declared} bytes is over this cache's {limit}-byte entry limit",
-                    {"connection": "close"},
+                    413, f"{key}: {declared} bytes is over this cache's {limit}-byte entry limit"
                 )
         content_type = request.headers.get("content-type") or CONTENT_TYPE
         try:
             await self.cache.store_hosted(self.name, key, _body(request), limit, content_type)
         except PayloadTooLarge as exc:
             metrics.BUILD_CACHE_WRITES.labels(self.name, "too_large").inc()
-            return responses.error(413, str(exc), {"connection": "close"})
+            return responses.error(413, str(exc))
         metrics.BUILD_CACHE_WRITES.labels(self.name, "stored").inc()
         return responses.BodyResponse(201, [(b"content-length", b"0")], b"", self.name)
 

@@ -34,7 +34,17 @@ from proxy.exceptions import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from proxy.fetch import Fetched, FetchSpec, Inline, Missing, Stale, Status, Stored, Streaming
+from proxy.fetch import (
+    Fetched,
+    FetchSpec,
+    Inline,
+    Missing,
+    Outcome,
+    Stale,
+    Status,
+    Stored,
+    Streaming,
+)
 from proxy.formats import ASGIResponse, Request
 from proxy.types import Digests, Kind
 from proxy.upstream import Upstream, content_length, iter_body, read_body
@@ -43,6 +53,7 @@ log = logging.getLogger("proxy.maven")
 
 CHECKSUM_EXTENSIONS = {".sha1": "sha1", ".md5": "md5", ".sha256": "sha256", ".sha512": "sha512"}
 CHECKSUM_HEX_LENGTHS = {"sha1": 40, "md5": 32, "sha256": 64, "sha512": 128}
+CHECKSUM_STRENGTH = ("sha512", "sha256", "sha1", "md5")  # verify with the first present
 CHECKSUM_BODY_LIMIT_BYTES = 4096
 ALL_DIGESTS = ("md5", "sha1", "sha256", "sha512")
 NOT_FOUND_STATUSES = (404, 410)
@@ -146,7 +157,9 @@ class MavenRepository:
         if request.method == "HEAD":
             entry = await self.cache.lookup(self.name, spec.key)
             if entry is None or not entry.is_fresh():
-                return await self._probe(maven_path)
+                probed = await self._probe(maven_path)
+                if probed is not None:
+                    return probed
         return await self.cache.respond(
             spec, request.method, request.headers, checksum_headers=True
         )
@@ -171,15 +184,25 @@ class MavenRepository:
         )
 
     async def _checksum(self, request: Request, spec: FetchSpec, algorithm: str) -> ASGIResponse:
-        """A checksum file, computed from the very bytes we serve for its base file."""
-        outcome = await self.cache.get(spec)
+        """A checksum file, computed from the very bytes we serve for its base file.
+
+        An existing entry answers even if its TTL has run out: refreshing metadata here
+        would give the checksum of bytes the client has not received. Only a missing
+        base file is fetched.
+        """
+        existing = await self.cache.lookup(self.name, spec.key)
+        if existing is not None and existing.sha256 is not None:
+            outcome: Outcome = Stored(existing)
+        else:
+            outcome = await self.cache.get(spec)
         if isinstance(outcome, Missing):
             raise NotFound(outcome.message)
         if isinstance(outcome, Inline):
             digest = hashlib.new(algorithm, outcome.body).hexdigest()
         else:
+            entry: Entry | None
             if isinstance(outcome, Stored | Stale):
-                entry: Entry | None = outcome.entry
+                entry = outcome.entry
             else:
                 assert isinstance(outcome, Streaming)
                 entry = await outcome.download.result()
@@ -197,8 +220,11 @@ class MavenRepository:
             self.name,
         )
 
-    async def _probe(self, maven_path: MavenPath) -> ASGIResponse:
-        """HEAD on a miss: ask the upstreams with HEAD instead of downloading the body."""
+    async def _probe(self, maven_path: MavenPath) -> ASGIResponse | None:
+        """HEAD on a miss: ask the upstreams with HEAD instead of downloading the body.
+
+        None if an upstream does not do HEAD (405/501): the caller falls back to GET.
+        """
         errors: list[UpstreamError] = []
         for base in self.settings.upstreams:
             try:
@@ -206,6 +232,8 @@ class MavenRepository:
                     status = response.status_code
                     if status in NOT_FOUND_STATUSES:
                         continue
+                    if status in (405, 501):
+                        return None
                     if status != 200:
                         errors.append(UpstreamUnavailable(f"{base}: HEAD answered {status}"))
                         continue
@@ -232,6 +260,10 @@ class MavenOrigin:
     @asynccontextmanager
     async def open(self, stale: Entry | None) -> AsyncIterator[Fetched]:
         headers = {}
+        # Validators are only meaningful to the upstream that issued them; with several
+        # upstreams we do not know which one that was, so we ask unconditionally.
+        if len(self.repo.settings.upstreams) > 1:
+            stale = None
         if stale is not None and stale.etag:
             headers["If-None-Match"] = stale.etag
         if stale is not None and stale.last_modified:
@@ -293,24 +325,39 @@ class MavenOrigin:
             )
 
     async def _upstream_checksums(self, base: str) -> Digests:
-        async def one(extension: str, algorithm: str) -> tuple[str, str | None]:
+        """The strongest checksum the upstream publishes for the file, as Resolver uses it.
+
+        Sidecars that are missing, unreadable or garbled count as absent (old
+        repositories carry some wrong .md5 files beside good .sha1 files).
+        """
+
+        async def one(extension: str, algorithm: str) -> str | None:
             url = base + self.path + extension
-            async with self.repo.upstream.stream("GET", url) as response:
-                if response.status_code in NOT_FOUND_STATUSES:
-                    return algorithm, None
-                if response.status_code != 200:
-                    raise UpstreamUnavailable(f"{url} answered {response.status_code}")
-                body = await read_body(response, CHECKSUM_BODY_LIMIT_BYTES)
+            try:
+                async with self.repo.upstream.stream("GET", url) as response:
+                    if response.status_code != 200:
+                        if response.status_code not in NOT_FOUND_STATUSES:
+                            log.warning(
+                                "checksum %s answered %d; ignored", url, response.status_code
+                            )
+                        return None
+                    body = await read_body(response, CHECKSUM_BODY_LIMIT_BYTES)
+            except UpstreamError as exc:
+                log.warning("checksum %s unavailable (%s); ignored", url, exc)
+                return None
             value = parse_checksum(body, algorithm)
             if value is None:
-                raise UpstreamUnavailable(f"{url} is not a {algorithm} checksum file")
-            return algorithm, value
+                log.warning("checksum %s is not a %s checksum file; ignored", url, algorithm)
+            return value
 
-        found = await asyncio.gather(*(one(ext, alg) for ext, alg in CHECKSUM_EXTENSIONS.items()))
-        digests = {algorithm: value for algorithm, value in found if value is not None}
-        if not digests:
-            log.warning("no upstream checksum for %s in %s; stored unverified", self.path, base)
-        return digests
+        algorithms = list(CHECKSUM_EXTENSIONS.items())
+        found = await asyncio.gather(*(one(ext, alg) for ext, alg in algorithms))
+        for algorithm in CHECKSUM_STRENGTH:
+            value = dict(zip((alg for _, alg in algorithms), found, strict=True)).get(algorithm)
+            if value is not None:
+                return {algorithm: value}
+        log.warning("no usable upstream checksum for %s in %s; stored unverified", self.path, base)
+        return {}
 
 
 def _retrieve_exception(task: asyncio.Task[Digests]) -> None:
@@ -344,4 +391,11 @@ def _outage(path: str, errors: list[UpstreamError]) -> UpstreamError:
     if all(isinstance(e, UpstreamTimeout) for e in errors):
         return UpstreamTimeout(f"{path}: upstreams timed out ({detail})")
     status = 503 if any(getattr(e, "status", 502) == 503 for e in errors) else 502
-    return UpstreamUnavailable(f"{path}: no upstream could answer ({detail})", status=status)
+    waits = [
+        e.retry_after_s for e in errors if isinstance(e, UpstreamUnavailable) and e.retry_after_s
+    ]
+    return UpstreamUnavailable(
+        f"{path}: no upstream could answer ({detail})",
+        status=status,
+        retry_after_s=max(waits) if waits else None,
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit, urlunsplit
 
 from proxy import responses
 from proxy.cache import Cache
@@ -113,10 +114,10 @@ class PypiRepository:
         links = []
         for f in page.files:
             key = f"files/{project}/{f.filename}"
-            links.append(Link(self.name, key, f.url, f.hashes))
+            links.append(Link(self.name, key, f.url, f.hashes, f.size))
             if f.core_metadata:
                 digests = f.core_metadata if isinstance(f.core_metadata, dict) else {}
-                links.append(Link(self.name, key + ".metadata", f.url + ".metadata", digests))
+                links.append(Link(self.name, key + ".metadata", _sidecar_url(f.url), digests))
         await self.cache.record_links(links)
 
     # -- files -----------------------------------------------------------------------
@@ -241,11 +242,22 @@ class FileOrigin:
                 Status.OK,
                 body=iter_body(response),
                 content_type=_file_content_type(self.key, response.headers.get("content-type")),
-                length=content_length(response),
+                length=_known_length(content_length(response), link.size),
                 etag=response.headers.get("etag"),
                 last_modified=response.headers.get("last-modified"),
                 expected=link.digests,
             )
+
+
+def _known_length(upstream_length: int | None, listed_size: int | None) -> int | None:
+    # The upstream's own Content-Length wins; the index's size covers chunked answers.
+    return upstream_length if upstream_length is not None else listed_size
+
+
+def _sidecar_url(url: str) -> str:
+    """PEP 658: the metadata file is the distribution's URL path plus ".metadata"."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=parts.path + ".metadata"))
 
 
 def _keep_file(f: si.FileLink, project: str) -> bool:
@@ -277,4 +289,5 @@ def _not_acceptable() -> ASGIResponse:
     return responses.error(
         406,
         f"no acceptable representation; this index serves {si.JSON_V1}, {si.HTML_V1} and text/html",
+        {"vary": "Accept"},
     )

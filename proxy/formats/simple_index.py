@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -28,10 +29,12 @@ UPSTREAM_ACCEPT = {
     "json": f"{JSON_V1}, {HTML_V1};q=0.2, {TEXT_HTML};q=0.1",
     "html": f"{HTML_V1}, {TEXT_HTML};q=0.9, {JSON_V1};q=0.5",
 }
+log = logging.getLogger("proxy.pypi")
+
 CONTENT_TYPES = {JSON_V1: JSON_V1, HTML_V1: HTML_V1, TEXT_HTML: "text/html; charset=utf-8"}
 
 _PROJECT_NAME_RE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
-_HEX_RE = re.compile(r"^[0-9a-fA-F]+$")
+_HEX_RE = re.compile(r"[0-9a-fA-F]+")  # used with fullmatch
 _HASH_NAMES = ("sha256", "sha512", "sha384", "sha224", "sha1", "md5")
 
 
@@ -62,17 +65,22 @@ def negotiate(accept: str | None) -> tuple[str, str] | None:
     ``*/*``) gets text/html, which every client understands.
     """
     offers = (JSON_V1, HTML_V1, TEXT_HTML)
+    ranges = [(_ALIASES.get(media, media), q) for media, q in _parse_accept(accept or "*/*")]
     best: tuple[float, int, int, str] | None = None
-    for media, q in _parse_accept(accept or "*/*"):
-        media = _ALIASES.get(media, media)
-        for offer_rank, offer in enumerate(offers):
-            specificity = _match(media, offer)
-            if specificity < 0 or q <= 0:
-                continue
-            preference = (2 - offer_rank) if specificity == 2 else offer_rank
-            candidate = (q, specificity, preference, offer)
-            if best is None or candidate > best:
-                best = candidate
+    for offer_rank, offer in enumerate(offers):
+        # The most specific range that matches an offer sets its q (RFC 9110 §12.5.1):
+        # "text/html;q=0, */*" refuses text/html whatever the wildcard says.
+        matches = [(_match(media, offer), q) for media, q in ranges]
+        matches = [(specificity, q) for specificity, q in matches if specificity >= 0]
+        if not matches:
+            continue
+        specificity, q = max(matches)
+        if q <= 0:
+            continue
+        preference = (2 - offer_rank) if specificity == 2 else offer_rank
+        candidate = (q, specificity, preference, offer)
+        if best is None or candidate > best:
+            best = candidate
     if best is None:
         return None
     chosen = best[3]
@@ -93,6 +101,7 @@ def _parse_accept(header: str) -> list[tuple[str, float]]:
                     q = float(value)
                 except ValueError:
                     q = 0.0
+                q = min(max(q, 0.0), 1.0) if q == q else 0.0  # clamp; NaN refuses
         parsed.append((media.lower(), q))
     return parsed
 
@@ -181,45 +190,73 @@ def _parse_project_json(body: bytes, page_url: str, name: str) -> ProjectPage:
     for raw in raw_files:
         if not isinstance(raw, dict) or not isinstance(raw.get("url"), str):
             continue
-        url, fragment = urldefrag(urljoin(page_url, raw["url"]))
+        resolved = _resolve(page_url, raw["url"])
+        if resolved is None:
+            continue
+        url, fragment = resolved
         hashes = _clean_hashes(raw.get("hashes"))
         hashes = hashes or _fragment_hashes(fragment)
         core = raw.get("core-metadata", raw.get("dist-info-metadata", False))
         yanked = raw.get("yanked", False)
-        size = raw.get("size")
+        filename = raw.get("filename")
         files.append(
             FileLink(
-                filename=str(raw.get("filename", url.rsplit("/", 1)[-1])),
+                filename=filename if isinstance(filename, str) else url.rsplit("/", 1)[-1],
                 url=url,
                 hashes=hashes,
-                requires_python=raw.get("requires-python") or None,
+                requires_python=_string(raw.get("requires-python")),
                 yanked=yanked if isinstance(yanked, bool | str) else bool(yanked),
                 core_metadata=_clean_core_metadata(core),
                 gpg_sig=raw.get("gpg-sig") if isinstance(raw.get("gpg-sig"), bool) else None,
-                size=size if isinstance(size, int) and not isinstance(size, bool) else None,
-                upload_time=raw.get("upload-time")
-                if isinstance(raw.get("upload-time"), str)
-                else None,
+                size=_size(raw.get("size")),
+                upload_time=_string(raw.get("upload-time")),
             )
         )
     versions = data.get("versions")
+    page_name = data.get("name")
     return ProjectPage(
-        name=str(data.get("name", name)),
+        name=page_name if isinstance(page_name, str) and page_name else name,
         files=files,
-        versions=[str(v) for v in versions] if isinstance(versions, list) else None,
+        versions=[v for v in versions if isinstance(v, str)]
+        if isinstance(versions, list)
+        else None,
     )
+
+
+def _resolve(base: str, link: str) -> tuple[str, str] | None:
+    """``(absolute URL without fragment, fragment)``; None for a link that is not a URL."""
+    try:
+        url, fragment = urldefrag(urljoin(base, link))
+    except ValueError:  # e.g. "http://[bad/x.whl"
+        log.warning("ignoring malformed link %r on %s", link, base)
+        return None
+    return url, fragment
+
+
+def _string(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _size(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _parse_project_html(body: bytes, page_url: str, name: str) -> ProjectPage:
     parser = _AnchorParser()
     parser.feed(body.decode("utf-8", errors="replace"))
-    base = urljoin(page_url, parser.base_href) if parser.base_href else page_url
+    base = page_url
+    if parser.base_href:
+        resolved_base = _resolve(page_url, parser.base_href)
+        base = resolved_base[0] if resolved_base else page_url
     files = []
     for attrs, text in parser.anchors:
         href = attrs.get("href")
         if not href:
             continue
-        url, fragment = urldefrag(urljoin(base, href))
+        resolved = _resolve(base, href)
+        if resolved is None:
+            continue
+        url, fragment = resolved
         filename = text.strip() or url.rsplit("/", 1)[-1]
         yanked: bool | str = False
         if "data-yanked" in attrs:
@@ -271,7 +308,7 @@ class _AnchorParser(HTMLParser):
 
 def _fragment_hashes(fragment: str) -> dict[str, str]:
     name, sep, value = fragment.partition("=")
-    if sep and name.lower() in _HASH_NAMES and _HEX_RE.match(value):
+    if sep and name.lower() in _HASH_NAMES and _HEX_RE.fullmatch(value):
         return {name.lower(): value.lower()}
     return {}
 
@@ -282,7 +319,7 @@ def _clean_hashes(raw: object) -> dict[str, str]:
     return {
         str(k).lower(): str(v).lower()
         for k, v in raw.items()
-        if isinstance(v, str) and _HEX_RE.match(v)
+        if isinstance(v, str) and _HEX_RE.fullmatch(v)
     }
 
 
