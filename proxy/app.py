@@ -239,12 +239,11 @@ class Dispatcher:
                     response = await adapter.handle(request)
             except ProxyError as exc:
                 response = _error_response(exc, state)
-            refused_upload = (
+            if (
                 method in BODY_METHODS
                 and isinstance(response, responses.BodyResponse)
                 and response.status >= 400
-            )
-            if refused_upload:
+            ):
                 # The body may be unread (e.g. a 413 or 401 after Expect: 100-continue):
                 # close the connection so it is never parsed as the next request.
                 response.headers.append((b"connection", b"close"))
