@@ -36,6 +36,7 @@ from proxy.exceptions import (
     NotConfigured,
     ProxyError,
     ShuttingDown,
+    StorageError,
     UpstreamError,
     UpstreamUnavailable,
 )
@@ -270,6 +271,11 @@ def _error_response(exc: ProxyError, state: ProxyState) -> ASGIResponse:
         log.error("catalog error: %s", exc)
         return responses.error(
             503, "the cache database is unavailable; try again", {"retry-after": "5"}
+        )
+    if isinstance(exc, StorageError):
+        log.error("storage error: %s", exc)
+        return responses.error(
+            503, "the cache storage is unavailable; try again", {"retry-after": "5"}
         )
     log.error("unexpected proxy error: %r", exc)
     return responses.error(500, f"internal error: {type(exc).__name__}")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from proxy.blocking import run_blocking
+from proxy.exceptions import StorageError
 from proxy.types import Digests
 
 TEMP_SUFFIX = ".part"
@@ -72,9 +73,15 @@ class TempBlob:
             self.on_progress(self.written)
 
     async def flush(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            await pending
+        pending = self._pending
+        if pending is not None:
+            # Shielded: cancelling the wrapper would not stop the thread, and discard()
+            # must not close the descriptor under a write still running.
+            try:
+                await asyncio.shield(pending)
+            except OSError as exc:
+                raise StorageError(f"writing {self.path} failed: {exc}") from exc
+            self._pending = None
 
     def digests(self) -> Digests:
         """The digests of what was written; call after ``flush``."""
@@ -87,7 +94,10 @@ class TempBlob:
 
     async def sync(self) -> None:
         await self.flush()
-        await run_blocking(os.fsync, self._fd)
+        try:
+            await run_blocking(os.fsync, self._fd)
+        except OSError as exc:
+            raise StorageError(f"syncing {self.path} failed: {exc}") from exc
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -95,6 +105,7 @@ class TempBlob:
             self._fd = -1
 
     def discard(self) -> None:
+        self.on_progress = None
         if self._pending is not None:
             # A write still in its thread owns the descriptor: close once it is done.
             self._pending.add_done_callback(lambda _f: self.close())
@@ -126,7 +137,10 @@ class BlobStore:
         return f"{self._blobs_prefix}{sha256[:2]}/{sha256[2:4]}/{sha256}"
 
     def new_temp(self, digests: Iterable[str] = ()) -> TempBlob:
-        return TempBlob(self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}", digests)
+        try:
+            return TempBlob(self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}", digests)
+        except OSError as exc:
+            raise StorageError(f"cannot create a temp file in {self.tmp_dir}: {exc}") from exc
 
     async def publish(self, temp: TempBlob) -> str:
         """fsync the temp file and move it to its content address; returns the sha256."""
@@ -134,7 +148,10 @@ class BlobStore:
         sha256 = temp.sha256
         temp.close()
         target = self.path(sha256)
-        await run_blocking(_move_into_place, temp.path, target)
+        try:
+            await run_blocking(_move_into_place, temp.path, target)
+        except OSError as exc:
+            raise StorageError(f"cannot publish {target}: {exc}") from exc
         return sha256
 
     def exists(self, sha256: str) -> bool:

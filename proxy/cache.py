@@ -13,7 +13,7 @@ from proxy import metrics, responses
 from proxy.blobs import BlobStore
 from proxy.catalog import Catalog, Entry, Link, now_ms
 from proxy.entry_index import AccessLog, EntryIndex
-from proxy.exceptions import CatalogError, NotFound, PayloadTooLarge
+from proxy.exceptions import CatalogError, NotFound, PayloadTooLarge, StorageError
 from proxy.fetch import Fetcher, FetchSpec, Inline, Missing, Outcome, Stale, Stored, Streaming
 from proxy.responses import BodyResponse, DownloadResponse, FileResponse, HotBlobs
 from proxy.types import Kind
@@ -76,21 +76,27 @@ class Cache:
         ``checksum_headers`` adds ``X-Checksum-*`` headers computed from the served bytes.
         """
         extra = dict(extra_headers or {})
-        for _attempt in range(2):
-            outcome = await self.get(spec)
+        outcome = await self.get(spec)
+        for attempt in (1, 2):
             headers = extra
             if checksum_headers and isinstance(outcome, Stored | Stale):
                 headers = {**extra, **checksum_headers_of(outcome.entry)}
             try:
-                return self.render(outcome, method, request_headers, headers, spec.repository)
+                return await self.render(outcome, method, request_headers, headers, spec.repository)
             except FileNotFoundError:
-                # The blob went away under the entry (evicted by another replica, or
-                # removed by hand): forget the entry and go through the miss path once.
                 assert isinstance(outcome, Stored | Stale)
+                if attempt == 2:
+                    break
+                # The blob went away under the entry (evicted by another replica, or
+                # removed by hand): forget the entry and fetch again, once.
                 await self.forget(outcome.entry)
-        raise NotFound(f"{spec.key}: the cached file disappeared twice; try again")
+                metrics.CACHE_MISSES.labels(spec.repository, spec.format, spec.kind.value).inc()
+                outcome = await self.fetcher.fetch(spec, stale=None)
+        # A fetch just stored this blob and it is gone again: the storage is at fault,
+        # never the artifact (a 404 would make clients believe it does not exist).
+        raise StorageError(f"{spec.key}: its blob vanished right after it was stored")
 
-    def render(
+    async def render(
         self,
         outcome: Outcome,
         method: str,
@@ -99,12 +105,12 @@ class Cache:
         repository: str,
     ) -> Response:
         if isinstance(outcome, Stored):
-            return responses.blob(
+            return await responses.blob(
                 request_headers, method, outcome.entry, self.path_of(outcome.entry), self.hot, extra
             )
         if isinstance(outcome, Stale):
             extra = {**extra, "warning": '110 - "Response is Stale"'}
-            return responses.blob(
+            return await responses.blob(
                 request_headers, method, outcome.entry, self.path_of(outcome.entry), self.hot, extra
             )
         if isinstance(outcome, Streaming):
@@ -159,7 +165,7 @@ class Cache:
     async def find_link(self, repository: str, key: str) -> Link | None:
         return await self.catalog.get_link(repository, key)
 
-    def render_entry(
+    async def render_entry(
         self,
         entry: Entry,
         method: str,
@@ -167,7 +173,9 @@ class Cache:
         extra: Mapping[str, str],
     ) -> Response:
         """Serve a stored entry as is; raises FileNotFoundError if its blob is gone."""
-        return responses.blob(request_headers, method, entry, self.path_of(entry), self.hot, extra)
+        return await responses.blob(
+            request_headers, method, entry, self.path_of(entry), self.hot, extra
+        )
 
     def path_of(self, entry: Entry) -> str:
         assert entry.sha256 is not None

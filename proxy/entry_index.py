@@ -61,13 +61,18 @@ class AccessLog:
             return 0
         pending, self._pending = self._pending, {}
         batch = [(repo, key, at) for (repo, key), at in pending.items()]
+        written = 0
         try:
             for start in range(0, len(batch), ACCESS_FLUSH_BATCH):
                 await catalog.touch_entries(batch[start : start + ACCESS_FLUSH_BATCH])
-        except CatalogError as exc:
+                written = start + ACCESS_FLUSH_BATCH
+        except BaseException as exc:
+            # Keep what was not written (also when cancelled: the shutdown flush follows).
+            for repo, key, at in batch[written:]:
+                self._pending.setdefault((repo, key), at)
+            if not isinstance(exc, CatalogError):
+                raise
             metrics.CATALOG_ERRORS.labels(operation="touch_entries").inc()
             log.warning("could not record %d access times: %s; will retry", len(batch), exc)
-            for repo, key, at in batch:
-                self._pending.setdefault((repo, key), at)
             return 0
         return len(batch)

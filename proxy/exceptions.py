@@ -14,6 +14,7 @@
     │   ├── UpstreamUnavailable  502/503 (connection refused, 5xx, 429)
     │   └── DigestMismatch     502: bytes do not match the listed digest
     ├── CatalogError           the database failed (sqlite3/asyncpg errors, translated)
+    ├── StorageError           the blob store failed (disk full, shared volume gone): 503
     └── LeaseLost              our fetch lease was taken over or could not be renewed
 
 Foreign errors are translated once, at the boundary, with ``raise ... from exc``:
@@ -94,6 +95,10 @@ class DigestMismatch(UpstreamError):
 
 
 class CatalogError(ProxyError):
+    status = 503
+
+
+class StorageError(ProxyError):
     status = 503
 
 

@@ -210,8 +210,12 @@ class Fetcher:
             if held is not None:
                 if took_over:
                     metrics.LEASE_TAKEOVERS.labels(repository=spec.repository).inc()
-                # Another process may have stored it between our lookup and our claim.
-                entry = await self._find_fresh(spec)
+                try:
+                    # Another process may have stored it between our lookup and our claim.
+                    entry = await self._find_fresh(spec)
+                except BaseException:
+                    await held.release("released")  # never leave a won lease behind
+                    raise
                 if entry is not None:
                     await held.release("done")
                     flight.settle(_served(entry))
@@ -353,6 +357,8 @@ class Fetcher:
         upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=spec.repository)
 
         def progressed(written: int) -> None:
+            if download.error is not None:
+                return  # a write that finished after the fetch failed: nothing to offer
             download.advance_to(written)
             # Clients start on the first bytes when the length is known (they always get
             # a Content-Length), unless those bytes are the whole body: then verification

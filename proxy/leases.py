@@ -20,6 +20,7 @@ Safety rules, and why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
@@ -39,6 +40,7 @@ from proxy.tasks import TaskSupervisor
 log = logging.getLogger("proxy.leases")
 
 RELEASE_TIMEOUT_S = 5.0
+RENEW_RETRY_S = 0.5  # after a failed renewal, try again this soon (at most TTL/3)
 POLL_JITTER_MIN = 0.5  # polls sleep between this fraction and all of poll_interval
 
 
@@ -67,13 +69,17 @@ class WaitResult:
 class HeldLease:
     """Our mandate on one key, renewed in the background while we fetch."""
 
-    def __init__(self, coordinator: LeaseCoordinator, grant: LeaseGrant, repository: str) -> None:
+    def __init__(
+        self, coordinator: LeaseCoordinator, grant: LeaseGrant, repository: str, sent_at: float
+    ) -> None:
         self.coordinator = coordinator
         self.grant = grant
         self.repository = repository
         self.lost = False
         self.released = False
-        self._last_renewed = time.monotonic()
+        # When the claim was *sent*: the database set the expiry no earlier than that,
+        # so measuring from here never overstates how long the lease is ours.
+        self._last_renewed = sent_at
         self._renewer: asyncio.Task[None] | None = None
 
     @property
@@ -103,10 +109,12 @@ class HeldLease:
     async def _renew_forever(self) -> None:
         ttl_s = self.coordinator.ttl_s
         interval_s = ttl_s / 3
+        delay_s = interval_s
         while not self.lost and not self.released:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(delay_s)
             if self.released:
                 return
+            sent = time.monotonic()
             try:
                 async with asyncio.timeout(interval_s):
                     ok = await self.coordinator.catalog.renew_lease(self.grant, ttl_s)
@@ -118,16 +126,18 @@ class HeldLease:
                 log.warning(
                     "lease renewal failed key=%s fence=%d: %s", self.grant.key, self.fence, exc
                 )
+                delay_s = min(interval_s, RENEW_RETRY_S)  # retry soon: the TTL is running
                 continue
             if not ok:
                 self._mark_lost("the renewal matched no row (taken over)")
                 return
-            if time.monotonic() - self._last_renewed > ttl_s:
+            if sent - self._last_renewed > ttl_s:
                 # The row still carried our fence, but we were silent past the TTL: someone
                 # may have judged it expired and be fetching too. Exclusivity is gone.
                 self._mark_lost("renewed only after the TTL had passed")
                 return
-            self._last_renewed = time.monotonic()
+            self._last_renewed = sent
+            delay_s = interval_s
 
     async def release(self, state: str) -> None:
         """End the mandate with ``state``; a no-op if the lease was lost."""
@@ -168,13 +178,26 @@ class LeaseCoordinator:
         self._wakeups: dict[str, set[asyncio.Event]] = {}
 
     async def claim(self, repository: str, key: str) -> HeldLease | None:
-        grant = await self.catalog.claim_lease(lease_key(repository, key), self.holder, self.ttl_s)
+        sent_at = time.monotonic()
+        claiming = asyncio.ensure_future(
+            self.catalog.claim_lease(lease_key(repository, key), self.holder, self.ttl_s)
+        )
+        try:
+            grant = await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            # The claim may commit although we stop waiting for it (shutdown): hand it
+            # back at once, or the next holder would wait out a whole TTL.
+            with contextlib.suppress(Exception):
+                late = await claiming
+                if late is not None:
+                    await self.catalog.release_lease(late, "released")
+            raise
         metrics.LEASE_CLAIMS.labels(
             repository=repository, result="won" if grant else "held_elsewhere"
         ).inc()
         if grant is None:
             return None
-        held = HeldLease(self, grant, repository)
+        held = HeldLease(self, grant, repository, sent_at)
         self._held.add(held)
         held._renewer = self.tasks.spawn(f"lease-renew:{grant.key}", held._renew_forever())
         return held

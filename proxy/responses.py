@@ -192,7 +192,7 @@ def inline(
     return BodyResponse(200, headers, b"" if method == "HEAD" else body, repository)
 
 
-def blob(
+async def blob(
     request_headers: Mapping[str, str],
     method: str,
     entry: Entry,
@@ -232,20 +232,23 @@ def blob(
             status = 206
             headers.append((b"content-range", f"bytes {start}-{end}/{size}".encode()))
     headers.append((b"content-length", str(length).encode()))
+    # File system calls go to a thread: the storage may be a network volume.
     if method == "HEAD":
-        if not os.path.exists(path):
-            raise FileNotFoundError(path)
+        await run_blocking(os.stat, path)  # raises FileNotFoundError if the blob is gone
         return BodyResponse(status, headers, b"", entry.repository)
-
     if size <= HOT_MAX_BLOB_BYTES:
         body = hot.get(entry.sha256)
         if body is None:
-            with open(path, "rb") as fh:
-                body = fh.read()
+            body = await run_blocking(_read_file, path)
             hot.put(entry.sha256, body)
         return BodyResponse(status, headers, body[start : start + length], entry.repository)
-    fd = os.open(path, os.O_RDONLY)
+    fd = await run_blocking(os.open, path, os.O_RDONLY)
     return FileResponse(status, headers, fd, start, length, entry.repository)
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
 
 
 def downloading(

@@ -27,7 +27,7 @@ from proxy.types import Kind
 log = logging.getLogger("proxy.catalog")
 
 POOL_MIN_SIZE = 1
-POOL_MAX_SIZE = 10
+POOL_MAX_SIZE = 20
 COMMAND_TIMEOUT_S = 10.0
 ACQUIRE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
@@ -160,9 +160,11 @@ class PostgresCatalog:
         self.migrations = migrations
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
-        self.job_holder = "unknown"
+        self._closed = False
 
     async def _get_pool(self) -> asyncpg.Pool:
+        if self._closed:
+            raise CatalogError("postgres: the catalog is closed")
         if self._pool is None:
             async with self._pool_lock:
                 if self._pool is None:
@@ -234,6 +236,7 @@ class PostgresCatalog:
         return applied
 
     async def close(self) -> None:
+        self._closed = True
         if self._pool is not None:
             try:
                 await asyncio.wait_for(self._pool.close(), timeout=5)
@@ -371,8 +374,12 @@ class PostgresCatalog:
                 yield acquired
             finally:
                 if acquired:
-                    with _translated("job_unlock"):
+                    try:
                         await conn.execute(UNLOCK_JOB, name)
+                    except _DRIVER_ERRORS as exc:
+                        # The lock dies with the connection anyway; do not let this
+                        # replace the pass's own outcome (or its cancellation).
+                        log.warning("job %s: unlock failed: %s", name, exc)
 
     async def claim_job_run(self, name: str, interval_s: float, holder: str) -> int | None:
         row = await self._fetchrow("claim_job_run", CLAIM_JOB_RUN, name, float(interval_s), holder)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -30,6 +33,7 @@ from proxy.exceptions import CatalogError
 from proxy.types import Kind
 
 T = TypeVar("T")
+log = logging.getLogger("proxy.catalog")
 
 BUSY_TIMEOUT_MS = 15_000
 JOB_LOCK_TTL_MS = 3_600_000  # a crashed holder's job lock frees itself after this
@@ -133,7 +137,8 @@ class SqliteCatalog:
         self.migrations = migrations
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
         self._conn: sqlite3.Connection | None = None
-        self.job_holder = f"pid-{id(self)}"
+        # Unique per process and instance: workers share the file and its job locks.
+        self.job_holder = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -338,7 +343,13 @@ class SqliteCatalog:
             yield acquired
         finally:
             if acquired:
-                await self._write(lambda c: c.execute(RELEASE_JOB_LOCK, (name, self.job_holder)))
+                try:
+                    await self._write(
+                        lambda c: c.execute(RELEASE_JOB_LOCK, (name, self.job_holder))
+                    )
+                except CatalogError as exc:
+                    # Expires by itself (JOB_LOCK_TTL_MS); must not mask the pass's outcome.
+                    log.warning("job %s: unlock failed: %s", name, exc)
 
     async def claim_job_run(self, name: str, interval_s: float, holder: str) -> int | None:
         def claim(conn: sqlite3.Connection) -> int | None:

@@ -68,7 +68,7 @@ class BuildCacheRepository:
             self.cache.access.record(self.name, key)
         metrics.CACHE_HITS.labels(self.name, "gradle-build-cache", "hosted").inc()
         try:
-            return self.cache.render_entry(
+            return await self.cache.render_entry(
                 entry, request.method, request.headers, {"content-type": CONTENT_TYPE}
             )
         except FileNotFoundError:

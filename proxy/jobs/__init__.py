@@ -57,6 +57,7 @@ class Scheduler:
             try:
                 await self.run_once(job)
             except CatalogError as exc:
+                _raise_if_cancelling()
                 log.warning("job %s: database unavailable: %s", job.name, exc)
             await asyncio.sleep(check_period_s * random.uniform(0.5, 1.0))
 
@@ -74,7 +75,10 @@ class Scheduler:
                 summary = await job.run()
             except asyncio.CancelledError:
                 metrics.JOB_RUNS.labels(job=job.name, outcome="cancelled").inc()
-                await asyncio.shield(self.catalog.give_back_job_run(job.name, run_id))
+                try:
+                    await asyncio.shield(self.catalog.give_back_job_run(job.name, run_id))
+                except CatalogError as exc:
+                    log.warning("job %s: could not give its claim back: %s", job.name, exc)
                 raise
             except Exception as exc:
                 metrics.JOB_RUNS.labels(job=job.name, outcome="failed").inc()
@@ -83,6 +87,13 @@ class Scheduler:
         metrics.JOB_RUNS.labels(job=job.name, outcome="ran").inc()
         log.info("job %s: %s", job.name, summary)
         return True
+
+
+def _raise_if_cancelling() -> None:
+    """A database error raised while we unwind a cancellation must not swallow it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def standard_jobs(
