@@ -105,14 +105,10 @@ class Cache:
         repository: str,
     ) -> Response:
         if isinstance(outcome, Stored):
-            return await responses.blob(
-                request_headers, method, outcome.entry, self.path_of(outcome.entry), self.hot, extra
-            )
+            return await self.render_entry(outcome.entry, method, request_headers, extra)
         if isinstance(outcome, Stale):
             extra = {**extra, "warning": '110 - "Response is Stale"'}
-            return await responses.blob(
-                request_headers, method, outcome.entry, self.path_of(outcome.entry), self.hot, extra
-            )
+            return await self.render_entry(outcome.entry, method, request_headers, extra)
         if isinstance(outcome, Streaming):
             return responses.downloading(method, outcome.download, extra, repository)
         if isinstance(outcome, Inline):

@@ -7,12 +7,13 @@ One ``Catalog`` protocol, two backends chosen by the database URL scheme:
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from proxy.types import Digests, Kind
 
@@ -191,6 +192,45 @@ class Catalog(Protocol):
     async def listen_leases(self, on_notify: Callable[[str], None]) -> None:
         """Deliver lease transitions (the lease key) until cancelled; polls back it up."""
         ...
+
+
+# Both backends select and upsert entries with the columns in this order:
+# repository, key, kind, sha256, size, content_type, etag, last_modified, digests (JSON
+# text), fetched_at_ms, expires_at_ms, last_access_ms.
+
+
+def entry_from_row(row: Any) -> Entry:
+    return Entry(
+        repository=row[0],
+        key=row[1],
+        kind=Kind(row[2]),
+        sha256=row[3],
+        size=row[4],
+        content_type=row[5],
+        etag=row[6],
+        last_modified=row[7],
+        digests=json.loads(row[8]),
+        fetched_at_ms=row[9],
+        expires_at_ms=row[10],
+        last_access_ms=row[11],
+    )
+
+
+def entry_to_row(entry: Entry) -> tuple[Any, ...]:
+    return (
+        entry.repository,
+        entry.key,
+        entry.kind.value,
+        entry.sha256,
+        entry.size,
+        entry.content_type,
+        entry.etag,
+        entry.last_modified,
+        json.dumps(entry.digests),
+        entry.fetched_at_ms,
+        entry.expires_at_ms,
+        entry.last_access_ms or entry.fetched_at_ms,
+    )
 
 
 def open_catalog(database_url: str, migrations_root: Path | None = None) -> Catalog:

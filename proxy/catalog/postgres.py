@@ -20,9 +20,18 @@ from typing import Any
 
 import asyncpg
 
-from proxy.catalog import Entry, LeaseGrant, LeaseRow, Link, Usage, migration_files, now_ms
+from proxy.catalog import (
+    Entry,
+    LeaseGrant,
+    LeaseRow,
+    Link,
+    Usage,
+    entry_from_row,
+    entry_to_row,
+    migration_files,
+    now_ms,
+)
 from proxy.exceptions import CatalogError
-from proxy.types import Kind
 
 log = logging.getLogger("proxy.catalog")
 
@@ -251,25 +260,10 @@ class PostgresCatalog:
 
     async def get_entry(self, repository: str, key: str) -> Entry | None:
         row = await self._fetchrow("get_entry", SELECT_ENTRY, repository, key)
-        return _entry(row) if row else None
+        return entry_from_row(row) if row else None
 
     async def put_entry(self, entry: Entry) -> None:
-        await self._execute(
-            "put_entry",
-            UPSERT_ENTRY,
-            entry.repository,
-            entry.key,
-            entry.kind.value,
-            entry.sha256,
-            entry.size,
-            entry.content_type,
-            entry.etag,
-            entry.last_modified,
-            json.dumps(entry.digests),
-            entry.fetched_at_ms,
-            entry.expires_at_ms,
-            entry.last_access_ms or entry.fetched_at_ms,
-        )
+        await self._execute("put_entry", UPSERT_ENTRY, *entry_to_row(entry))
 
     async def refresh_entry(self, entry: Entry) -> None:
         await self._execute(
@@ -299,7 +293,7 @@ class PostgresCatalog:
 
     async def least_recently_used(self, repository: str, limit: int) -> list[Entry]:
         rows = await self._fetch("least_recently_used", LEAST_RECENTLY_USED, repository, limit)
-        return [_entry(row) for row in rows]
+        return [entry_from_row(row) for row in rows]
 
     async def blob_is_referenced(self, sha256: str) -> bool:
         row = await self._fetchrow("blob_is_referenced", BLOB_REFERENCED, sha256)
@@ -417,20 +411,3 @@ class PostgresCatalog:
                     conn.terminate()
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, LISTENER_RETRY_MAX_S)
-
-
-def _entry(row: Any) -> Entry:
-    return Entry(
-        repository=row[0],
-        key=row[1],
-        kind=Kind(row[2]),
-        sha256=row[3],
-        size=row[4],
-        content_type=row[5],
-        etag=row[6],
-        last_modified=row[7],
-        digests=json.loads(row[8]),
-        fetched_at_ms=row[9],
-        expires_at_ms=row[10],
-        last_access_ms=row[11],
-    )

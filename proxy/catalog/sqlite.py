@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from proxy.catalog import (
     Entry,
@@ -26,11 +26,12 @@ from proxy.catalog import (
     LeaseRow,
     Link,
     Usage,
+    entry_from_row,
+    entry_to_row,
     migration_files,
     now_ms,
 )
 from proxy.exceptions import CatalogError
-from proxy.types import Kind
 
 T = TypeVar("T")
 log = logging.getLogger("proxy.catalog")
@@ -225,10 +226,10 @@ class SqliteCatalog:
 
     async def get_entry(self, repository: str, key: str) -> Entry | None:
         row = await self._run(lambda c: c.execute(SELECT_ENTRY, (repository, key)).fetchone())
-        return _entry(row) if row else None
+        return entry_from_row(row) if row else None
 
     async def put_entry(self, entry: Entry) -> None:
-        await self._write(lambda c: c.execute(UPSERT_ENTRY, _entry_params(entry)))
+        await self._write(lambda c: c.execute(UPSERT_ENTRY, entry_to_row(entry)))
 
     async def refresh_entry(self, entry: Entry) -> None:
         params = (
@@ -258,7 +259,7 @@ class SqliteCatalog:
         rows = await self._run(
             lambda c: c.execute(LEAST_RECENTLY_USED, (repository, limit)).fetchall()
         )
-        return [_entry(row) for row in rows]
+        return [entry_from_row(row) for row in rows]
 
     async def blob_is_referenced(self, sha256: str) -> bool:
         row = await self._run(lambda c: c.execute(BLOB_REFERENCED, (sha256,)).fetchone())
@@ -366,40 +367,6 @@ class SqliteCatalog:
     async def listen_leases(self, on_notify: Callable[[str], None]) -> None:
         # SQLite has no notifications: waiters poll. Stay parked until cancelled.
         await asyncio.Event().wait()
-
-
-def _entry(row: Any) -> Entry:
-    return Entry(
-        repository=row[0],
-        key=row[1],
-        kind=Kind(row[2]),
-        sha256=row[3],
-        size=row[4],
-        content_type=row[5],
-        etag=row[6],
-        last_modified=row[7],
-        digests=json.loads(row[8]),
-        fetched_at_ms=row[9],
-        expires_at_ms=row[10],
-        last_access_ms=row[11],
-    )
-
-
-def _entry_params(entry: Entry) -> tuple[Any, ...]:
-    return (
-        entry.repository,
-        entry.key,
-        entry.kind.value,
-        entry.sha256,
-        entry.size,
-        entry.content_type,
-        entry.etag,
-        entry.last_modified,
-        json.dumps(entry.digests),
-        entry.fetched_at_ms,
-        entry.expires_at_ms,
-        entry.last_access_ms or entry.fetched_at_ms,
-    )
 
 
 def _split_sql(sql: str) -> list[str]:
