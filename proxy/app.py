@@ -106,13 +106,7 @@ def create_app(settings: Settings) -> Starlette:
         adapters = {
             repo.name: build_adapter(repo, cache, upstream) for repo in settings.repositories
         }
-        for repo in settings.repositories:
-            if repo.is_proxy and not repo.upstreams:
-                log.warning(
-                    "repository %r has no upstream: its requests get 503 until you set %s",
-                    repo.name,
-                    repo.upstream_setting,
-                )
+        _warn_about_settings(settings)
         state = ProxyState(settings, catalog, blobs, cache, adapters, tasks, leases, holder)
 
         tasks.spawn("access-flush", _flush_access_forever(access, catalog))
@@ -166,6 +160,26 @@ def create_app(settings: Settings) -> Starlette:
         ],
         lifespan=lifespan,
     )
+
+
+def _warn_about_settings(settings: Settings) -> None:
+    """Log, once at start, the settings an operator most likely has to act on."""
+    loopback = settings.host in ("127.0.0.1", "::1", "localhost")
+    for repo in settings.repositories:
+        if repo.is_proxy and not repo.upstreams:
+            log.warning(
+                "repository %r has no upstream: its requests get 503 until you set %s",
+                repo.name,
+                repo.upstream_setting,
+            )
+        if repo.format == "gradle-build-cache" and repo.anonymous == "write" and not loopback:
+            log.warning(
+                'repository %r lets anyone write (anonymous = "write") while listening on %s: '
+                "set repositories.%s.anonymous and add users",
+                repo.name,
+                settings.host,
+                repo.name,
+            )
 
 
 def create_app_from_environment() -> Starlette:

@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc = commands.add_parser("gc", help="run one reclaim pass (leases, temp files, orphan blobs)")
     gc.add_argument("--config")
 
+    stats = commands.add_parser("stats", help="entries and bytes cached per repository")
+    stats.add_argument("--config")
+
     args = parser.parse_args(argv)
     environ = dict(os.environ)
     if getattr(args, "config", None):
@@ -68,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_migrate(settings))
     if args.command == "gc":
         return asyncio.run(_gc(settings))
+    if args.command == "stats":
+        return asyncio.run(_stats(settings))
     workers = args.workers if args.workers is not None else settings.workers
     if workers < 1:
         print("--workers: must be 1 or more", file=sys.stderr)
@@ -164,4 +169,24 @@ async def _gc(settings: Settings) -> int:
     finally:
         await catalog.close()
     print(summary)
+    return 0
+
+
+async def _stats(settings: Settings) -> int:
+    from proxy.catalog import open_catalog
+    from proxy.units import format_size
+
+    catalog = open_catalog(settings.database_url)
+    try:
+        await catalog.migrate()
+        print(f"{'repository':<24} {'format':<20} {'entries':>10} {'bytes':>14}")
+        for repo in settings.repositories:
+            usage = await catalog.usage(repo.name)
+            size = format_size(usage.bytes) if usage.bytes else "0"
+            print(f"{repo.name:<24} {repo.format:<20} {usage.entries:>10} {size:>14}")
+    except CatalogError as exc:
+        print(f"database.url: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await catalog.close()
     return 0

@@ -169,3 +169,25 @@ def test_workers_share_one_fetch_and_aggregate_metrics(
     finally:
         proxy.stop()
     assert "Traceback" not in proxy.log()
+
+
+def test_stats_and_gc_commands(tmp_path: Path, upstream: FakeUpstream) -> None:
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha-bytes")])
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = ProxyProcess(config, tmp_path, "stats").start().wait_ready()
+    try:
+        assert httpx.get(proxy.url + "/pypi/files/alpha/alpha-1.0.tar.gz").content == b"alpha-bytes"
+    finally:
+        proxy.stop()
+    stats = subprocess.run(
+        [sys.executable, "-m", "proxy", "stats", "--config", str(config)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert stats.returncode == 0, stats.stderr
+    [row] = [line.split() for line in stats.stdout.splitlines() if line.startswith("pypi")]
+    assert row[:3] == ["pypi", "pypi", "2"]  # the index page and the file
+    gc = subprocess.run(
+        [sys.executable, "-m", "proxy", "gc", "--config", str(config)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert gc.returncode == 0 and "purged" in gc.stdout
