@@ -44,6 +44,7 @@ from proxy.fetch import Fetcher
 from proxy.formats import Adapter, ASGIResponse, Request
 from proxy.jobs import Scheduler, standard_jobs
 from proxy.leases import LeaseCoordinator, make_holder_id
+from proxy.logs import configure_logging
 from proxy.paths import check_headers, split_path
 from proxy.responses import HotBlobs
 from proxy.tasks import TaskSupervisor
@@ -184,6 +185,7 @@ def _warn_about_settings(settings: Settings) -> None:
 
 def create_app_from_environment() -> Starlette:
     """Factory for ``uvicorn --factory`` and worker processes: settings from the environment."""
+    configure_logging(os.environ.get("PROXY_LOG_LEVEL", "info"))
     return create_app(config_module.load(None, os.environ))
 
 

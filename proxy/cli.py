@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import shutil
 import sys
@@ -14,9 +13,9 @@ from collections.abc import Sequence
 from proxy import __version__
 from proxy.config import Settings, load
 from proxy.exceptions import CatalogError, ConfigError
+from proxy.logs import configure_logging
 
 GRACEFUL_SHUTDOWN_S = 10  # in-flight cache hits get this long to finish on SIGTERM
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         print(settings.describe(), end="")
         return 0
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format=LOG_FORMAT)
+    configure_logging(getattr(args, "log_level", "info"))
     if args.command == "migrate":
         return asyncio.run(_migrate(settings))
     if args.command == "gc":
@@ -123,6 +122,7 @@ def _serve(
         {key: value for key, value in environ.items() if key.startswith("PROXY_")},
     )
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    os.environ["PROXY_LOG_LEVEL"] = level  # workers set up their own logging from it
     config = uvicorn.Config(
         "proxy.app:create_app_from_environment",
         factory=True,
