@@ -154,9 +154,6 @@ class BlobStore:
             raise StorageError(f"cannot publish {target}: {exc}") from exc
         return sha256
 
-    def exists(self, sha256: str) -> bool:
-        return self.path(sha256).exists()
-
     async def delete(self, sha256: str) -> bool:
         def unlink() -> bool:
             try:

@@ -43,9 +43,6 @@ class EntryIndex:
     def drop(self, repository: str, key: str) -> None:
         self._entries.pop((repository, key), None)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 class AccessLog:
     """Last-access times noted on the hit path and flushed to the catalog in batches."""

@@ -14,8 +14,7 @@
     │   ├── UpstreamUnavailable  502/503 (connection refused, 5xx, 429)
     │   └── DigestMismatch     502: bytes do not match the listed digest
     ├── CatalogError           the database failed (sqlite3/asyncpg errors, translated)
-    ├── StorageError           the blob store failed (disk full, shared volume gone): 503
-    └── LeaseLost              our fetch lease was taken over or could not be renewed
+    └── StorageError           the blob store failed (disk full, shared volume gone): 503
 
 Foreign errors are translated once, at the boundary, with ``raise ... from exc``:
 httpx errors in ``upstream.py``, sqlite3 and asyncpg errors in ``catalog/``.
@@ -100,7 +99,3 @@ class CatalogError(ProxyError):
 
 class StorageError(ProxyError):
     status = 503
-
-
-class LeaseLost(ProxyError):
-    """A renewal matched no row, or none succeeded for longer than the TTL."""

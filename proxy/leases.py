@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from proxy import metrics
 from proxy.catalog import Catalog, Entry, LeaseGrant, LeaseRow
 from proxy.config import LeaseSettings
-from proxy.exceptions import CatalogError, LeaseLost
+from proxy.exceptions import CatalogError
 from proxy.tasks import TaskSupervisor
 
 log = logging.getLogger("proxy.leases")
@@ -85,13 +85,6 @@ class HeldLease:
     @property
     def fence(self) -> int:
         return self.grant.fence
-
-    def check(self) -> None:
-        """Raise ``LeaseLost`` if we can no longer claim exclusivity."""
-        if not self.lost and time.monotonic() - self._last_renewed > self.coordinator.ttl_s:
-            self._mark_lost("no successful renewal within the TTL")
-        if self.lost:
-            raise LeaseLost(f"lease {self.grant.key} fence {self.fence} lost")
 
     def _mark_lost(self, why: str) -> None:
         if self.lost:
@@ -271,5 +264,3 @@ class LeaseCoordinator:
             await asyncio.gather(*(h.release("released") for h in held), return_exceptions=True)
             log.info("released %d fetch lease(s) at shutdown", len(held))
 
-
-__all__ = ["HeldLease", "LeaseCoordinator", "LeaseLost", "Verdict", "WaitResult", "make_holder_id"]
