@@ -392,7 +392,7 @@ class Fetcher:
             download.fail(exc if isinstance(exc, Exception) else ShuttingDown("shutting down"))
             raise
         fetched_at = now_ms()
-        entry: Entry | None = Entry(
+        entry = Entry(
             repository=spec.repository,
             key=spec.key,
             kind=spec.kind,
@@ -406,21 +406,19 @@ class Fetcher:
             digests=computed,
             last_access_ms=fetched_at,
         )
-        assert entry is not None
         try:
             await self.catalog.put_entry(entry)
-            self.index.put(entry)
         except CatalogError as exc:
             # The bytes are verified and published; clients still get them. Recording
             # fails only the cache, which the next request retries.
             metrics.CATALOG_ERRORS.labels(operation="put_entry").inc()
             log.error("could not record repository=%s key=%s: %s", spec.repository, spec.key, exc)
-            entry = None
-        download.finish(entry, str(self.blobs.path(sha256)))
-        if entry is not None:
-            flight.settle(Stored(entry))
-        else:
+            download.finish(None, str(self.blobs.path(sha256)))
             flight.settle(Streaming(download))
+            return
+        self.index.put(entry)
+        download.finish(entry, str(self.blobs.path(sha256)))
+        flight.settle(Stored(entry))
 
 
 def _served(entry: Entry) -> Outcome:
