@@ -263,4 +263,3 @@ class LeaseCoordinator:
         if held:
             await asyncio.gather(*(h.release("released") for h in held), return_exceptions=True)
             log.info("released %d fetch lease(s) at shutdown", len(held))
-
