@@ -7,9 +7,9 @@ operator sees every bad key at once; each error names its key.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from proxy.config import (
@@ -41,6 +41,8 @@ from proxy.config import (
     upstream_env_var,
 )
 from proxy.units import parse_duration, parse_size
+
+T = TypeVar("T")
 
 FORMATS = ("pypi", "maven", "gradle-build-cache")
 ROLES = ("read", "write")
@@ -361,38 +363,36 @@ class Parser:
     def duration(
         self, raw: dict[str, Any], key: str, default: float, positive: bool = False
     ) -> float:
-        name = key.rsplit(".", 1)[-1]
-        if name not in raw:
-            return default
-        value = raw[name]
-        if isinstance(value, str):
-            value = self.expand(value, key)
-        try:
-            seconds = parse_duration(value)
-        except ValueError as exc:
-            self.error(key, str(exc))
+        seconds = self._unit(raw, key, parse_duration)
+        if seconds is None:
             return default
         if positive and seconds <= 0:
-            self.error(key, f"{value!r} must be more than 0")
+            self.error(key, f"{raw[key.rsplit('.', 1)[-1]]!r} must be more than 0")
             return default
         return seconds
 
     def size(self, raw: dict[str, Any], key: str, default: int | None) -> int | None:
+        size = self._unit(raw, key, parse_size)
+        if size is None:
+            return default
+        if size <= 0:
+            self.error(key, f"{raw[key.rsplit('.', 1)[-1]]!r} must be more than 0 bytes")
+            return default
+        return size
+
+    def _unit(self, raw: dict[str, Any], key: str, parse: Callable[[object], T]) -> T | None:
+        """The parsed value of ``key`` (``${VAR}`` expanded); None if absent or invalid."""
         name = key.rsplit(".", 1)[-1]
         if name not in raw:
-            return default
+            return None
         value = raw[name]
         if isinstance(value, str):
             value = self.expand(value, key)
         try:
-            size = parse_size(value)
+            return parse(value)
         except ValueError as exc:
             self.error(key, str(exc))
-            return default
-        if size <= 0:
-            self.error(key, f"{value!r} must be more than 0 bytes")
-            return default
-        return size
+            return None
 
     def listen(self, value: str, key: str) -> tuple[str, int]:
         host, sep, port_text = value.rpartition(":")
