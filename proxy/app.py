@@ -2,14 +2,16 @@
 
 Resources are built in the lifespan and handed to requests through the lifespan state
 (``scope["state"]["proxy"]``); there are no globals besides the Prometheus metrics.
+This module and ``config.py`` are the only ones that look formats up in the registry
+(docs/architecture.md, "Module map").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,13 +24,14 @@ from starlette.requests import Request as StarletteRequest
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from proxy import config as config_module
-from proxy import metrics, responses
+from proxy import formats, metrics, responses
 from proxy.blobs import BlobStore
 from proxy.blocking import install_io_executor, run_blocking
 from proxy.cache import Cache
 from proxy.catalog import Catalog, open_catalog
-from proxy.config import RepositorySettings, Settings
+from proxy.clock import SYSTEM_CLOCK, Clock
+from proxy.contract import Adapter, FormatContext, Request
+from proxy.contract import Response as ASGIResponse
 from proxy.entry_index import AccessLog, EntryIndex
 from proxy.exceptions import (
     CatalogError,
@@ -41,12 +44,11 @@ from proxy.exceptions import (
     UpstreamUnavailable,
 )
 from proxy.fetch import Fetcher
-from proxy.formats import Adapter, ASGIResponse, Request
 from proxy.jobs import Scheduler, standard_jobs
 from proxy.leases import LeaseCoordinator, make_holder_id
-from proxy.logs import configure_logging
 from proxy.paths import check_headers, split_path
 from proxy.responses import HotBlobs
+from proxy.settings import Settings
 from proxy.tasks import TaskSupervisor
 from proxy.types import Receive, Scope, Send
 from proxy.upstream import Upstream, build_client
@@ -72,27 +74,51 @@ class ProxyState:
     holder: str
 
 
-def build_adapter(repo: RepositorySettings, cache: Cache, upstream: Upstream) -> Adapter:
-    if repo.format == "pypi":
-        from proxy.formats.pypi import PypiRepository
+class ShutdownSignal:
+    """How the process owner (``proxy/server.py``) starts the app's shutdown early.
 
-        return PypiRepository(repo, cache, upstream)
-    if repo.format == "maven":
-        from proxy.formats.maven import MavenRepository
+    The server drains open connections before the lifespan shutdown runs; a client
+    streaming a download would hold our fetch leases for that whole time. ``request``
+    (thread-safe, callable from a signal handler) starts our own shutdown at once:
+    fetches are cancelled and their leases released, so another replica takes over in
+    milliseconds (docs/architecture.md, "Clean shutdown").
+    """
 
-        return MavenRepository(repo, cache, upstream)
-    from proxy.formats.gradle_cache import BuildCacheRepository
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._target: tuple[asyncio.AbstractEventLoop, Callable[[], object]] | None = None
+        self.requested = False
 
-    return BuildCacheRepository(repo, cache)
+    def attach(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+        with self._lock:
+            self._target = (loop, callback)
+            if self.requested:
+                loop.call_soon_threadsafe(callback)
+
+    def detach(self) -> None:
+        with self._lock:
+            self._target = None
+
+    def request(self) -> None:
+        with self._lock:
+            self.requested = True
+            if self._target is not None:
+                loop, callback = self._target
+                with contextlib.suppress(RuntimeError):  # the loop has just closed
+                    loop.call_soon_threadsafe(callback)
 
 
-def create_app(settings: Settings) -> Starlette:
+def create_app(
+    settings: Settings, clock: Clock = SYSTEM_CLOCK, shutdown: ShutdownSignal | None = None
+) -> Starlette:
+    shutdown = shutdown or ShutdownSignal()
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         install_io_executor(asyncio.get_running_loop())
         blobs = BlobStore(settings.storage_path)
-        blobs.prepare()
-        catalog = open_catalog(settings.database_url)
+        await run_blocking(blobs.prepare)
+        catalog = open_catalog(settings.database_url, clock)
         applied = await catalog.migrate()
         if applied:
             log.info("applied migrations: %s", ", ".join(applied))
@@ -100,21 +126,35 @@ def create_app(settings: Settings) -> Starlette:
         upstream = Upstream(client, settings.upstream)
         tasks = TaskSupervisor()
         holder = make_holder_id()
-        leases = LeaseCoordinator(catalog, settings.leases, tasks, holder)
-        index, access, hot = EntryIndex(), AccessLog(), HotBlobs()
-        fetcher = Fetcher(catalog, blobs, index, leases, tasks)
-        cache = Cache(catalog, blobs, fetcher, index, access, hot)
-        adapters = {
-            repo.name: build_adapter(repo, cache, upstream) for repo in settings.repositories
-        }
-        _warn_about_settings(settings)
+        leases = LeaseCoordinator(catalog, settings.leases, tasks, holder, clock)
+        index, access, hot = EntryIndex(), AccessLog(clock), HotBlobs()
+        fetcher = Fetcher(catalog, blobs, index, leases, tasks, clock)
+        cache = Cache(catalog, blobs, fetcher, index, access, hot, clock)
+        adapters: dict[str, Adapter] = {}
+        size_limits: dict[str, int] = {}
+        for repo in settings.repositories:
+            plugin = formats.plugin(repo.format)
+            view = cache.for_repository(repo.name, repo.format, upstream)
+            context = FormatContext(cache=view, upstream=upstream, links=view.links)
+            adapters[repo.name] = plugin.build(repo, context)
+            limit = plugin.max_size(repo.options) if plugin.max_size else None
+            if limit is not None:
+                size_limits[repo.name] = limit
+            for warning in plugin.warnings(repo, settings.host) if plugin.warnings else ():
+                log.warning("%s", warning)
+            if repo.is_proxy and not repo.upstreams:
+                log.warning(
+                    "repository %r has no upstream: its requests get 503 until you set %s",
+                    repo.name,
+                    repo.upstream_setting,
+                )
         state = ProxyState(settings, catalog, blobs, cache, adapters, tasks, leases, holder)
 
-        tasks.spawn("access-flush", _flush_access_forever(access, catalog))
+        tasks.spawn("access-flush", _flush_access_forever(cache))
         if settings.leases.notify:
             tasks.spawn("lease-listener", catalog.listen_leases(leases.notify))
         scheduler = Scheduler(catalog, holder, tasks)
-        for job in standard_jobs(settings, catalog, blobs, cache):
+        for job in standard_jobs(settings, catalog, blobs, cache, clock, size_limits):
             scheduler.add(job)
         scheduler.start()
 
@@ -132,7 +172,7 @@ def create_app(settings: Settings) -> Starlette:
                 stopping = asyncio.ensure_future(stop_work())
             return stopping
 
-        restore = _chain_exit_signals(asyncio.get_running_loop(), begin_shutdown)
+        shutdown.attach(asyncio.get_running_loop(), begin_shutdown)
         log.info(
             "proxy ready: holder=%s catalog=%s storage=%s repositories=%s",
             holder,
@@ -143,9 +183,9 @@ def create_app(settings: Settings) -> Starlette:
         try:
             yield {"proxy": state}
         finally:
-            restore()
+            shutdown.detach()
             await begin_shutdown()
-            flushed = await access.flush(catalog)
+            flushed = await cache.flush_access()
             log.info("shut down: flushed %d access times", flushed)
             await client.aclose()
             await catalog.close()
@@ -163,65 +203,10 @@ def create_app(settings: Settings) -> Starlette:
     )
 
 
-def _warn_about_settings(settings: Settings) -> None:
-    """Log, once at start, the settings an operator most likely has to act on."""
-    loopback = settings.host in ("127.0.0.1", "::1", "localhost")
-    for repo in settings.repositories:
-        if repo.is_proxy and not repo.upstreams:
-            log.warning(
-                "repository %r has no upstream: its requests get 503 until you set %s",
-                repo.name,
-                repo.upstream_setting,
-            )
-        if repo.format == "gradle-build-cache" and repo.anonymous == "write" and not loopback:
-            log.warning(
-                'repository %r lets anyone write (anonymous = "write") while listening on %s: '
-                "set repositories.%s.anonymous and add users",
-                repo.name,
-                settings.host,
-                repo.name,
-            )
-
-
-def create_app_from_environment() -> Starlette:
-    """Factory for ``uvicorn --factory`` and worker processes: settings from the environment."""
-    configure_logging(os.environ.get("PROXY_LOG_LEVEL", "info"))
-    return create_app(config_module.load(None, os.environ))
-
-
-async def _flush_access_forever(access: AccessLog, catalog: Catalog) -> None:
+async def _flush_access_forever(cache: Cache) -> None:
     while True:
         await asyncio.sleep(ACCESS_FLUSH_INTERVAL_S)
-        await access.flush(catalog)
-
-
-def _chain_exit_signals(
-    loop: asyncio.AbstractEventLoop, hook: Callable[[], object]
-) -> Callable[[], None]:
-    """Start our shutdown the moment SIGTERM/SIGINT arrives, before the server drains.
-
-    The server waits for open connections before it runs the lifespan shutdown; a
-    client streaming a download would hold our fetch leases for that whole time.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def handler(signum: int, frame: Any) -> None:
-        loop.call_soon_threadsafe(hook)
-        chained = previous[signal.Signals(signum)]
-        if callable(chained):
-            chained(signum, frame)
-
-    for sig in previous:
-        signal.signal(sig, handler)
-
-    def restore() -> None:
-        for sig, old in previous.items():
-            if signal.getsignal(sig) is handler:
-                signal.signal(sig, old)
-
-    return restore
+        await cache.flush_access()
 
 
 class Dispatcher:
@@ -252,7 +237,8 @@ class Dispatcher:
                     headers = {
                         k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
                     }
-                    request = Request(method, repository, path, headers, scope, receive)
+                    base_path = f"{scope.get('root_path', '')}/{repository}/"
+                    request = Request(method, repository, path, headers, base_path, receive)
                     response = await adapter.handle(request)
             except ProxyError as exc:
                 response = _error_response(exc, state)
@@ -307,9 +293,8 @@ def _landing(state: ProxyState) -> ASGIResponse:
     for repo in state.settings.repositories:
         line = f"/{repo.name}/  format={repo.format}"
         if repo.is_proxy:
-            line += (
-                f"  upstream={', '.join(repo.upstreams) or 'NOT SET: set ' + repo.upstream_setting}"
-            )
+            upstreams = ", ".join(repo.upstreams) or "NOT SET: set " + repo.upstream_setting
+            line += f"  upstream={upstreams}"
         lines.append(line)
     lines += ["", "/healthz  /readyz  /metrics"]
     return responses.error(200, "\n".join(lines))

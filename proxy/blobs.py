@@ -13,7 +13,6 @@ import contextlib
 import functools
 import hashlib
 import os
-import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -170,9 +169,8 @@ class BlobStore:
         probe.write_bytes(b"")
         probe.unlink()
 
-    def remove_stale_temps(self, older_than_s: float) -> int:
-        """Delete temp files not modified for ``older_than_s``; returns how many."""
-        cutoff = time.time() - older_than_s
+    def remove_stale_temps(self, cutoff_s: float) -> int:
+        """Delete temp files last modified before ``cutoff_s`` (Unix time); how many."""
         removed = 0
         try:
             entries = list(os.scandir(self.tmp_dir))
@@ -180,7 +178,7 @@ class BlobStore:
             return 0
         for entry in entries:
             try:
-                if entry.is_file() and entry.stat().st_mtime < cutoff:
+                if entry.is_file() and entry.stat().st_mtime < cutoff_s:
                     os.unlink(entry.path)
                     removed += 1
             except FileNotFoundError:

@@ -1,26 +1,47 @@
-"""The cache layer formats talk to: look a key up, serve it, or fetch it.
+"""The engine as formats and jobs see it: look a key up, serve it, fetch it, store an
+upload, evict an entry (docs/architecture.md, "Module map").
 
-Formats never touch SQL or files: they describe a key with a ``FetchSpec`` and get an
-ASGI response back from ``Cache.respond``.
+``Cache`` owns the shared pieces (catalog, blobs, the in-memory entry index, access
+times, the fetcher). ``Cache.for_repository`` gives each adapter a ``RepositoryView``:
+the ``RepositoryCache`` of ``proxy/contract.py``, bound to one repository, with the
+``OriginContext`` its origins receive. Formats never see anything else of the engine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 from proxy import metrics, responses
 from proxy.blobs import BlobStore
-from proxy.catalog import Catalog, Entry, Link, now_ms
+from proxy.blocking import run_blocking
+from proxy.catalog import Catalog, Entry
+from proxy.clock import Clock
+from proxy.contract import (
+    FetchSpec,
+    OriginContext,
+    Request,
+    Response,
+    UpstreamClient,
+    WarmResult,
+)
 from proxy.entry_index import AccessLog, EntryIndex
-from proxy.exceptions import CatalogError, NotFound, PayloadTooLarge, StorageError
-from proxy.fetch import Fetcher, FetchSpec, Inline, Missing, Outcome, Stale, Stored, Streaming
-from proxy.responses import BodyResponse, DownloadResponse, FileResponse, HotBlobs
-from proxy.types import Kind
+from proxy.exceptions import (
+    CatalogError,
+    NotFound,
+    PayloadTooLarge,
+    StorageError,
+    UpstreamUnavailable,
+)
+from proxy.fetch import Fetcher, Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
+from proxy.responses import HotBlobs
+from proxy.types import Digests, Kind, Link
 
 log = logging.getLogger("proxy.cache")
 
-Response = BodyResponse | FileResponse | DownloadResponse
+CHECKSUM_HEADER_DIGESTS = ("sha1", "md5", "sha256")
 
 
 class Cache:
@@ -32,6 +53,7 @@ class Cache:
         index: EntryIndex,
         access: AccessLog,
         hot: HotBlobs,
+        clock: Clock,
     ) -> None:
         self.catalog = catalog
         self.blobs = blobs
@@ -39,109 +61,229 @@ class Cache:
         self.index = index
         self.access = access
         self.hot = hot
+        self.clock = clock
+
+    def for_repository(
+        self, name: str, format_name: str, upstream: UpstreamClient
+    ) -> RepositoryView:
+        return RepositoryView(self, name, format_name, upstream)
 
     async def lookup(self, repository: str, key: str) -> Entry | None:
         """The entry for a key, fresh or not; memory first, then the catalog."""
         entry = self.index.get(repository, key)
-        if entry is not None and entry.is_fresh():
+        if entry is not None and entry.is_fresh(self.clock.now_ms()):
             return entry
         entry = await self.catalog.get_entry(repository, key)
         if entry is not None:
             self.index.put(entry)
         return entry
 
-    async def get(self, spec: FetchSpec) -> Outcome:
-        entry = await self.lookup(spec.repository, spec.key)
-        if entry is not None and entry.is_fresh():
+    async def forget(self, entry: Entry) -> None:
+        """Drop an entry whose blob is gone (so the next request fetches it again)."""
+        self.index.drop(entry.repository, entry.key)
+        try:
+            await self.catalog.delete_entry(entry.repository, entry.key, entry.sha256)
+        except CatalogError as exc:
+            log.warning(
+                "could not forget repository=%s key=%s: %s", entry.repository, entry.key, exc
+            )
+
+    async def evict(self, entry: Entry, blob_min_age_s: float) -> bool:
+        """Remove ``entry`` if it still points at the same blob; then its blob, if no
+        entry refers to it any more. False if the entry changed meanwhile."""
+        if not await self.catalog.delete_entry(entry.repository, entry.key, entry.sha256):
+            return False
+        self.index.drop(entry.repository, entry.key)
+        if entry.sha256 is not None:
+            await delete_blob_if_orphan(
+                self.catalog, self.blobs, entry.sha256, blob_min_age_s, self.clock
+            )
+        return True
+
+    async def flush_access(self) -> int:
+        """Write this process's buffered access times now (before judging LRU order)."""
+        return await self.access.flush(self.catalog)
+
+
+async def delete_blob_if_orphan(
+    catalog: Catalog, blobs: BlobStore, sha256: str, min_age_s: float, clock: Clock
+) -> bool:
+    """Delete the blob if no entry points to it and it is older than ``min_age_s``.
+
+    The age guard closes the window between a writer publishing a blob and recording
+    the entry that points to it (a same-content publish refreshes the file's mtime).
+    """
+    try:
+        mtime = (await run_blocking(os.stat, blobs.path(sha256))).st_mtime
+    except FileNotFoundError:
+        return False
+    if clock.now_ms() / 1000 - mtime < min_age_s:
+        return False
+    if await catalog.blob_is_referenced(sha256):
+        return False
+    return await blobs.delete(sha256)
+
+
+class CatalogLinks:
+    """The ``LinkStore`` of one repository, kept in the catalog."""
+
+    def __init__(self, catalog: Catalog, repository: str) -> None:
+        self.catalog = catalog
+        self.repository = repository
+
+    async def record(self, links: Iterable[Link]) -> None:
+        batch = list(links)
+        if any(link.repository != self.repository for link in batch):
+            raise ValueError(f"links recorded for {self.repository!r} name another repository")
+        await self.catalog.put_links(batch)
+
+    async def get(self, key: str) -> Link | None:
+        return await self.catalog.get_link(self.repository, key)
+
+
+class RepositoryView:
+    """``contract.RepositoryCache`` for one repository."""
+
+    def __init__(self, cache: Cache, name: str, format_name: str, upstream: UpstreamClient):
+        self.cache = cache
+        self.name = name
+        self.format = format_name
+        self.links = CatalogLinks(cache.catalog, name)
+        self.origin_context = OriginContext(upstream=upstream, links=self.links, get=self.warm)
+
+    # -- proxied keys --------------------------------------------------------------------
+
+    async def _outcome(self, spec: FetchSpec) -> tuple[Outcome, bool]:
+        """The key's outcome, and whether it was a fresh hit (no fetch at all)."""
+        cache = self.cache
+        entry = await cache.lookup(self.name, spec.key)
+        if entry is not None and entry.is_fresh(cache.clock.now_ms()):
             if entry.kind is Kind.NEGATIVE:
-                metrics.NEGATIVE_HITS.labels(repository=spec.repository).inc()
-                return Missing(f"{spec.key} not found upstream (cached)")
-            metrics.CACHE_HITS.labels(spec.repository, spec.format, entry.kind.value).inc()
-            self.access.record(spec.repository, spec.key)
-            return Stored(entry)
-        metrics.CACHE_MISSES.labels(spec.repository, spec.format, spec.kind.value).inc()
+                metrics.NEGATIVE_HITS.labels(repository=self.name).inc()
+                return Missing(f"{spec.key} not found upstream (cached)"), True
+            metrics.CACHE_HITS.labels(self.name, self.format, entry.kind.value).inc()
+            cache.access.record(self.name, spec.key)
+            return Stored(entry), True
+        metrics.CACHE_MISSES.labels(self.name, self.format, spec.kind.value).inc()
         stale = entry if entry is not None and entry.kind is Kind.METADATA else None
-        return await self.fetcher.fetch(spec, stale)
+        return await self._fetch(spec, stale), False
+
+    async def _fetch(self, spec: FetchSpec, stale: Entry | None) -> Outcome:
+        miss = Miss(self.name, self.format, spec, self.origin_context)
+        return await self.cache.fetcher.fetch(miss, stale)
 
     async def respond(
         self,
         spec: FetchSpec,
-        method: str,
-        request_headers: Mapping[str, str],
-        extra_headers: Mapping[str, str] | None = None,
+        request: Request,
+        headers: Mapping[str, str] | None = None,
         checksum_headers: bool = False,
     ) -> Response:
-        """Serve ``spec.key``: from the cache if fresh, else through the miss path.
-
-        ``checksum_headers`` adds ``X-Checksum-*`` headers computed from the served bytes.
-        """
-        extra = dict(extra_headers or {})
-        outcome = await self.get(spec)
+        extra = dict(headers or {})
+        outcome, _hit = await self._outcome(spec)
         for attempt in (1, 2):
-            headers = extra
+            answer_headers = extra
             if checksum_headers and isinstance(outcome, Stored | Stale):
-                headers = {**extra, **checksum_headers_of(outcome.entry)}
+                answer_headers = {**extra, **checksum_headers_of(outcome.entry)}
             try:
-                return await self.render(outcome, method, request_headers, headers, spec.repository)
+                return await self._render(outcome, request, answer_headers)
             except FileNotFoundError:
                 assert isinstance(outcome, Stored | Stale)
                 if attempt == 2:
                     break
                 # The blob went away under the entry (evicted by another replica, or
                 # removed by hand): forget the entry and fetch again, once.
-                await self.forget(outcome.entry)
-                metrics.CACHE_MISSES.labels(spec.repository, spec.format, spec.kind.value).inc()
-                outcome = await self.fetcher.fetch(spec, stale=None)
+                await self.cache.forget(outcome.entry)
+                metrics.CACHE_MISSES.labels(self.name, self.format, spec.kind.value).inc()
+                outcome = await self._fetch(spec, stale=None)
         # A fetch just stored this blob and it is gone again: the storage is at fault,
         # never the artifact (a 404 would make clients believe it does not exist).
         raise StorageError(f"{spec.key}: its blob vanished right after it was stored")
 
-    async def render(
-        self,
-        outcome: Outcome,
-        method: str,
-        request_headers: Mapping[str, str],
-        extra: dict[str, str],
-        repository: str,
-    ) -> Response:
+    async def _render(self, outcome: Outcome, request: Request, extra: dict[str, str]) -> Response:
         if isinstance(outcome, Stored):
-            return await self.render_entry(outcome.entry, method, request_headers, extra)
+            return await self._render_entry(outcome.entry, request, extra)
         if isinstance(outcome, Stale):
             extra = {**extra, "warning": '110 - "Response is Stale"'}
-            return await self.render_entry(outcome.entry, method, request_headers, extra)
+            return await self._render_entry(outcome.entry, request, extra)
         if isinstance(outcome, Streaming):
-            return responses.downloading(method, outcome.download, extra, repository)
+            return responses.downloading(request.method, outcome.download, extra, self.name)
         if isinstance(outcome, Inline):
             return responses.inline(
-                request_headers, method, outcome.body, outcome.content_type, extra, repository
+                request.headers,
+                request.method,
+                outcome.body,
+                outcome.content_type,
+                extra,
+                self.name,
             )
         raise NotFound(outcome.message)
 
-    async def store_hosted(
-        self,
-        repository: str,
-        key: str,
-        chunks: AsyncIterator[bytes],
-        max_size: int,
-        content_type: str | None,
-    ) -> Entry:
-        """Store a client's upload; durable (fsynced file + committed row) on return.
+    async def _render_entry(
+        self, entry: Entry, request: Request, extra: Mapping[str, str]
+    ) -> Response:
+        """Serve a stored entry as is; raises FileNotFoundError if its blob is gone."""
+        assert entry.sha256 is not None
+        path = self.cache.blobs.path_str(entry.sha256)
+        return await responses.blob(
+            request.headers, request.method, entry, path, self.cache.hot, extra
+        )
 
-        Raises ``PayloadTooLarge`` (and stores nothing) past ``max_size`` bytes.
-        """
-        temp = self.blobs.new_temp()
+    async def is_fresh(self, key: str) -> bool:
+        entry = await self.cache.lookup(self.name, key)
+        return entry is not None and entry.is_fresh(self.cache.clock.now_ms())
+
+    async def served_digests(self, spec: FetchSpec) -> Digests:
+        existing = await self.cache.lookup(self.name, spec.key)
+        if existing is not None and existing.sha256 is not None:
+            return existing.digests  # expired or not: it is what clients were given
+        outcome, _hit = await self._outcome(spec)
+        if isinstance(outcome, Missing):
+            raise NotFound(outcome.message)
+        if isinstance(outcome, Inline):
+            return {
+                name: hashlib.new(name, outcome.body).hexdigest()
+                for name in ("md5", "sha1", "sha256", "sha512")
+            }
+        if isinstance(outcome, Streaming):
+            entry = await outcome.download.result()
+        else:
+            entry = outcome.entry
+        if entry is None:
+            raise UpstreamUnavailable(f"{spec.key}: checksum not available yet; retry", status=503)
+        return entry.digests
+
+    async def warm(self, spec: FetchSpec) -> WarmResult:
+        outcome, hit = await self._outcome(spec)
+        if isinstance(outcome, Missing):
+            return WarmResult("missing")
+        if isinstance(outcome, Inline):
+            return WarmResult("fetched", len(outcome.body))
+        if isinstance(outcome, Streaming):
+            entry = await outcome.download.result()
+            return WarmResult("fetched", entry.size if entry is not None else 0)
+        return WarmResult("cached" if hit else "fetched", outcome.entry.size)
+
+    # -- uploads ---------------------------------------------------------------------------
+
+    async def store_upload(
+        self, key: str, body: AsyncIterator[bytes], max_size: int, content_type: str | None
+    ) -> None:
+        cache = self.cache
+        temp = cache.blobs.new_temp()
         try:
-            async for chunk in chunks:
+            async for chunk in body:
                 if temp.size + len(chunk) > max_size:
+                    self.count_upload("too_large")
                     raise PayloadTooLarge(f"{key}: the body is over the {max_size}-byte limit")
                 await temp.write(chunk)
-            sha256 = await self.blobs.publish(temp)
+            sha256 = await cache.blobs.publish(temp)
         except BaseException:
             temp.discard()
             raise
-        stored_at = now_ms()
+        stored_at = cache.clock.now_ms()
         entry = Entry(
-            repository=repository,
+            repository=self.name,
             key=key,
             kind=Kind.HOSTED,
             sha256=sha256,
@@ -152,42 +294,25 @@ class Cache:
             digests=temp.digests(),
             last_access_ms=stored_at,
         )
-        await self.catalog.put_entry(entry)
-        return entry
+        await cache.catalog.put_entry(entry)
+        self.count_upload("stored")
 
-    async def record_links(self, links: Sequence[Link]) -> None:
-        await self.catalog.put_links(links)
-
-    async def find_link(self, repository: str, key: str) -> Link | None:
-        return await self.catalog.get_link(repository, key)
-
-    async def render_entry(
-        self,
-        entry: Entry,
-        method: str,
-        request_headers: Mapping[str, str],
-        extra: Mapping[str, str],
-    ) -> Response:
-        """Serve a stored entry as is; raises FileNotFoundError if its blob is gone."""
-        return await responses.blob(
-            request_headers, method, entry, self.path_of(entry), self.hot, extra
-        )
-
-    def path_of(self, entry: Entry) -> str:
-        assert entry.sha256 is not None
-        return self.blobs.path_str(entry.sha256)
-
-    async def forget(self, entry: Entry) -> None:
-        self.index.drop(entry.repository, entry.key)
+    async def serve_upload(self, key: str, request: Request, content_type: str) -> Response:
+        entry = await self.cache.lookup(self.name, key)
+        if entry is None or entry.kind is not Kind.HOSTED:
+            raise NotFound(f"no entry {key}")
+        if request.method == "GET":
+            # Only a read is a use; a HEAD probe must not keep an entry from eviction.
+            self.cache.access.record(self.name, key)
+        metrics.CACHE_HITS.labels(self.name, self.format, Kind.HOSTED.value).inc()
         try:
-            await self.catalog.delete_entry(entry.repository, entry.key, entry.sha256)
-        except CatalogError as exc:
-            log.warning(
-                "could not forget repository=%s key=%s: %s", entry.repository, entry.key, exc
-            )
+            return await self._render_entry(entry, request, {"content-type": content_type})
+        except FileNotFoundError:
+            await self.cache.forget(entry)
+            raise NotFound(f"no entry {key}") from None
 
-
-CHECKSUM_HEADER_DIGESTS = ("sha1", "md5", "sha256")
+    def count_upload(self, result: str) -> None:
+        metrics.UPLOADS.labels(self.name, result).inc()
 
 
 def checksum_headers_of(entry: Entry) -> dict[str, str]:

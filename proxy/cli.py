@@ -5,17 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.config import Settings, load
+from proxy.config import load
 from proxy.exceptions import CatalogError, ConfigError
 from proxy.logs import configure_logging
-
-GRACEFUL_SHUTDOWN_S = 10  # in-flight cache hits get this long to finish on SIGTERM
+from proxy.settings import Settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,62 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # not a traceback from inside the server's startup.
     if asyncio.run(_migrate(settings, quiet=True)) != 0:
         return 1
-    return _serve(settings, environ, workers, args.access_log, args.log_level)
+    from proxy import server
 
-
-def _serve(
-    settings: Settings, environ: dict[str, str], workers: int, access_log: bool, level: str
-) -> int:
-    import uvicorn
-
-    common = dict(
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=access_log,
-        log_config=None,
-        log_level=level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        server_header=False,
-    )
-    if workers == 1:
-        from proxy.app import create_app
-
-        config = uvicorn.Config(create_app(settings), **common)  # type: ignore[arg-type]
-        server = uvicorn.Server(config)
-        server.run()
-        return 0 if server.started else 1
-
-    # Several workers: each process builds the app from the environment, is its own lease
-    # holder, and writes metrics to a shared directory that /metrics aggregates.
-    from uvicorn.supervisors import Multiprocess
-
-    metrics_dir = environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(
-        prefix="proxy-metrics-"
-    )
-    owns_metrics_dir = "PROMETHEUS_MULTIPROC_DIR" not in environ
-    for name in os.listdir(metrics_dir):
-        os.unlink(os.path.join(metrics_dir, name))
-    os.environ.update(
-        {key: value for key, value in environ.items() if key.startswith("PROXY_")},
-    )
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    os.environ["PROXY_LOG_LEVEL"] = level  # workers set up their own logging from it
-    config = uvicorn.Config(
-        "proxy.app:create_app_from_environment",
-        factory=True,
-        workers=workers,
-        **common,  # type: ignore[arg-type]
-    )
     try:
-        sock = config.bind_socket()
-        Multiprocess(config, sockets=[sock]).run()
-    finally:
-        if owns_metrics_dir:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
-    return 0
+        return server.serve(settings, workers, args.access_log, args.log_level)
+    except server.BindError as exc:
+        print(exc, file=sys.stderr)
+        return 1
 
 
 async def _migrate(settings: Settings, quiet: bool = False) -> int:
@@ -157,12 +105,15 @@ async def _migrate(settings: Settings, quiet: bool = False) -> int:
 async def _gc(settings: Settings) -> int:
     from proxy.blobs import BlobStore
     from proxy.catalog import open_catalog
+    from proxy.clock import SYSTEM_CLOCK
     from proxy.jobs.reclaim import Reclaim
 
     catalog = open_catalog(settings.database_url)
     try:
         await catalog.migrate()
-        summary = await Reclaim(settings, catalog, BlobStore(settings.storage_path)).run()
+        blobs = BlobStore(settings.storage_path)
+        reclaim = Reclaim(catalog, blobs, SYSTEM_CLOCK, settings.leases.retention_s)
+        summary = await reclaim.run()
     except CatalogError as exc:
         print(f"database.url: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,10 @@
-"""Settings: parsed and validated once into frozen dataclasses.
+"""Loading settings: TOML file (or embedded defaults) + environment -> ``Settings``.
 
-``load(path, environ)`` is the only place that reads the environment. Every error
-names the key that holds the bad value, and ``load`` reports all of them at once
-(the validation itself lives in ``config_parser.py``).
+``load(path, environ)`` is the only place that reads the environment. It walks every
+table and key, collecting errors instead of stopping at the first, so an operator sees
+every bad key at once; each error names its key (``repositories.pypi.metadata_ttl: ...``).
+A repository's keys are validated generically from the options its format declares
+(``proxy/options.py``); this module knows no format by name.
 """
 
 from __future__ import annotations
@@ -11,159 +13,38 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from proxy import formats
 from proxy.exceptions import ConfigError
-from proxy.units import format_duration, format_size
+from proxy.options import Duration, Flag, Integer, OptionType, Text, options_of
+from proxy.settings import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_LEASE_POLL_INTERVAL_S,
+    DEFAULT_LEASE_RETENTION_S,
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+    DEFAULT_RECLAIM_INTERVAL_S,
+    DEFAULT_RETRIES,
+    DEFAULT_STORAGE_PATH,
+    DEFAULT_SWEEP_INTERVAL_S,
+    DEFAULT_WORKERS,
+    JobSettings,
+    LeaseSettings,
+    RepositorySettings,
+    Settings,
+    UpstreamSettings,
+    hide_password,
+    upstream_env_var,
+)
 
-DEFAULT_LISTEN = "127.0.0.1:8080"
-DEFAULT_STORAGE_PATH = "./data"
-DEFAULT_WORKERS = 1
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
-DEFAULT_READ_TIMEOUT_S = 30.0
-DEFAULT_RETRIES = 2
-DEFAULT_MAX_CONNECTIONS = 100
-DEFAULT_METADATA_TTL_S = 600.0
-DEFAULT_NEGATIVE_TTL_S = 60.0
-DEFAULT_MAVEN_METADATA_TTL_S = 1800.0
-DEFAULT_SNAPSHOT_TTL_S = 60.0
-DEFAULT_MAVEN_NEGATIVE_TTL_S = 300.0
-DEFAULT_MAX_ENTRY_SIZE = 100 * 10**6
-DEFAULT_LEASE_TTL_S = 15.0
-DEFAULT_LEASE_POLL_INTERVAL_S = 0.25
-DEFAULT_LEASE_RETENTION_S = 24 * 3600.0
-DEFAULT_RECLAIM_INTERVAL_S = 3600.0
-DEFAULT_SWEEP_INTERVAL_S = 300.0
-
-
-@dataclass(frozen=True)
-class User:
-    name: str
-    password: str = field(repr=False)
-    role: str
-
-
-@dataclass(frozen=True)
-class RepositorySettings:
-    name: str
-    format: str
-    upstreams: tuple[str, ...] = ()
-    metadata_ttl_s: float = DEFAULT_METADATA_TTL_S
-    negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S
-    snapshot_ttl_s: float = DEFAULT_SNAPSHOT_TTL_S
-    max_entry_size: int = DEFAULT_MAX_ENTRY_SIZE
-    max_size: int | None = None
-    anonymous: str = "read"
-    users: tuple[User, ...] = ()
-
-    @property
-    def upstream_setting(self) -> str:
-        """What an operator sets to give this repository an upstream (for messages)."""
-        env_var = upstream_env_var(self.name)
-        return f"repositories.{self.name}.upstream (or the environment variable {env_var})"
-
-    @property
-    def is_proxy(self) -> bool:
-        return self.format in ("pypi", "maven")
-
-
-@dataclass(frozen=True)
-class UpstreamSettings:
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
-    retries: int = DEFAULT_RETRIES
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-
-
-@dataclass(frozen=True)
-class LeaseSettings:
-    ttl_s: float = DEFAULT_LEASE_TTL_S
-    poll_interval_s: float = DEFAULT_LEASE_POLL_INTERVAL_S
-    retention_s: float = DEFAULT_LEASE_RETENTION_S
-    # LISTEN/NOTIFY wake-ups (Postgres). Turn off behind a pooler that cannot LISTEN
-    # (e.g. PgBouncer in transaction mode); waiters then rely on polling alone.
-    notify: bool = True
-
-
-@dataclass(frozen=True)
-class JobSettings:
-    reclaim_interval_s: float = DEFAULT_RECLAIM_INTERVAL_S
-    sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S
-
-
-@dataclass(frozen=True)
-class Settings:
-    host: str
-    port: int
-    workers: int
-    database_url: str
-    storage_path: Path
-    upstream: UpstreamSettings
-    leases: LeaseSettings
-    jobs: JobSettings
-    repositories: tuple[RepositorySettings, ...]
-    source: str = "embedded defaults"
-
-    def repository(self, name: str) -> RepositorySettings | None:
-        for repo in self.repositories:
-            if repo.name == name:
-                return repo
-        return None
-
-    def describe(self) -> str:
-        """The effective settings as TOML-like text (passwords hidden), for check-config."""
-        lines = [
-            f"# effective settings from {self.source}",
-            "[server]",
-            f'listen = "{self.host}:{self.port}"',
-            f"workers = {self.workers}",
-            "[database]",
-            f'url = "{hide_password(self.database_url)}"',
-            "[storage]",
-            f'path = "{self.storage_path}"',
-            "[upstream]",
-            f'connect_timeout = "{format_duration(self.upstream.connect_timeout_s)}"',
-            f'read_timeout = "{format_duration(self.upstream.read_timeout_s)}"',
-            f"retries = {self.upstream.retries}",
-            f"max_connections = {self.upstream.max_connections}",
-            "[leases]",
-            f'ttl = "{format_duration(self.leases.ttl_s)}"',
-            f'poll_interval = "{format_duration(self.leases.poll_interval_s)}"',
-            f'retention = "{format_duration(self.leases.retention_s)}"',
-            f"notify = {'true' if self.leases.notify else 'false'}",
-            "[jobs]",
-            f'reclaim_interval = "{format_duration(self.jobs.reclaim_interval_s)}"',
-            f'sweep_interval = "{format_duration(self.jobs.sweep_interval_s)}"',
-        ]
-        for repo in self.repositories:
-            lines += ["", "[[repositories]]", f'name = "{repo.name}"', f'format = "{repo.format}"']
-            if repo.is_proxy:
-                if repo.upstreams:
-                    urls = ", ".join(f'"{u}"' for u in repo.upstreams)
-                    lines.append(f"upstream = [{urls}]")
-                else:
-                    lines.append(f"# upstream is not set: set {repo.upstream_setting}")
-                lines.append(f'metadata_ttl = "{format_duration(repo.metadata_ttl_s)}"')
-                if repo.format == "maven":
-                    lines.append(f'snapshot_ttl = "{format_duration(repo.snapshot_ttl_s)}"')
-                lines.append(f'negative_ttl = "{format_duration(repo.negative_ttl_s)}"')
-            else:
-                lines.append(f'max_entry_size = "{format_size(repo.max_entry_size)}"')
-                if repo.max_size is not None:
-                    lines.append(f'max_size = "{format_size(repo.max_size)}"')
-                lines.append(f'anonymous = "{repo.anonymous}"')
-                for user in repo.users:
-                    lines.append(
-                        f'users.{user.name} = {{ password = "***", role = "{user.role}" }}'
-                    )
-        return "\n".join(lines) + "\n"
-
-
-def upstream_env_var(repo_name: str) -> str:
-    return "PROXY_UPSTREAM_" + re.sub(r"[^A-Za-z0-9]", "_", repo_name).upper()
+RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico"})
+_REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_ENV_REF_RE = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
 
 
 def load(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Settings:
@@ -187,9 +68,7 @@ def load(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Set
             raise ConfigError([f"config file {source}: cannot be read ({exc.strerror})"]) from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"config file {source}: not valid TOML ({exc})"]) from exc
-    from proxy.config_parser import Parser  # the parser builds this module's dataclasses
-
-    parser = Parser(environ)
+    parser = _Parser(environ)
     settings = parser.settings(raw, source)
     if parser.errors:
         raise ConfigError(parser.errors)
@@ -197,13 +76,239 @@ def load(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Set
     return settings
 
 
-def hide_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@", 1)
-    return url
+def default_repositories() -> list[dict[str, Any]]:
+    """What runs with no [[repositories]]: each format's default repository, if it has one."""
+    return [
+        dict(plugin.default_repository)
+        for plugin in map(formats.plugin, formats.REGISTRY)
+        if plugin.default_repository is not None
+    ]
 
 
-def sqlite_path(database_url: str) -> Path:
-    """``sqlite:///./data/proxy.db`` -> ``./data/proxy.db``; ``sqlite:////abs`` -> ``/abs``."""
-    return Path(database_url[len("sqlite:///") :])
+class _Parser:
+    """Walks the raw TOML tree; implements ``options.Reporter`` for the option types."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ
+        self.errors: list[str] = []
+
+    def error(self, key: str, message: str) -> None:
+        self.errors.append(f"{key}: {message}")
+
+    def expand(self, value: str, key: str) -> str:
+        def replace(match: re.Match[str]) -> str:
+            if match.group(1) == "$":
+                return "$"
+            var = match.group(2)
+            if var not in self.environ:
+                self.error(key, f"environment variable {var} is not set")
+                return ""
+            return self.environ[var]
+
+        return _ENV_REF_RE.sub(replace, value)
+
+    def settings(self, raw: dict[str, Any], source: str) -> Settings | None:
+        known = {"server", "database", "storage", "upstream", "leases", "jobs", "repositories"}
+        for key in raw:
+            if key not in known:
+                self.error(key, f"unknown section; expected one of {', '.join(sorted(known))}")
+        server = self.table(raw, "server", {"listen", "workers"})
+        database = self.table(raw, "database", {"url"})
+        storage = self.table(raw, "storage", {"path"})
+        upstream = self.table(
+            raw, "upstream", {"connect_timeout", "read_timeout", "retries", "max_connections"}
+        )
+        leases = self.table(raw, "leases", {"ttl", "poll_interval", "retention", "notify"})
+        jobs = self.table(raw, "jobs", {"reclaim_interval", "sweep_interval"})
+
+        listen = self.environ.get("PROXY_LISTEN") or self.value(server, "server", "listen", Text())
+        host, port = self.listen(listen or DEFAULT_LISTEN, "server.listen")
+        workers = self.value(server, "server", "workers", Integer(minimum=1), DEFAULT_WORKERS)
+
+        storage_path = self.environ.get("PROXY_STORAGE_PATH") or self.value(
+            storage, "storage", "path", Text()
+        )
+        storage_path = storage_path or DEFAULT_STORAGE_PATH
+        database_url = self.environ.get("PROXY_DATABASE_URL") or self.value(
+            database, "database", "url", Text()
+        )
+        database_url = database_url or f"sqlite:///{Path(storage_path) / 'proxy.db'}"
+        self.database_url(database_url, "database.url")
+
+        positive = Duration(positive=True)
+        upstream_settings = UpstreamSettings(
+            connect_timeout_s=self.value(
+                upstream, "upstream", "connect_timeout", positive, DEFAULT_CONNECT_TIMEOUT_S
+            ),
+            read_timeout_s=self.value(
+                upstream, "upstream", "read_timeout", positive, DEFAULT_READ_TIMEOUT_S
+            ),
+            retries=self.value(upstream, "upstream", "retries", Integer(0, 10), DEFAULT_RETRIES),
+            max_connections=self.value(
+                upstream, "upstream", "max_connections", Integer(1), DEFAULT_MAX_CONNECTIONS
+            ),
+        )
+        lease_settings = LeaseSettings(
+            ttl_s=self.value(leases, "leases", "ttl", positive, DEFAULT_LEASE_TTL_S),
+            poll_interval_s=self.value(
+                leases, "leases", "poll_interval", positive, DEFAULT_LEASE_POLL_INTERVAL_S
+            ),
+            retention_s=self.value(
+                leases, "leases", "retention", Duration(), DEFAULT_LEASE_RETENTION_S
+            ),
+            notify=self.value(leases, "leases", "notify", Flag(), True),
+        )
+        if lease_settings.poll_interval_s > lease_settings.ttl_s:
+            self.error("leases.poll_interval", "must not be longer than leases.ttl")
+        job_settings = JobSettings(
+            reclaim_interval_s=self.value(
+                jobs, "jobs", "reclaim_interval", positive, DEFAULT_RECLAIM_INTERVAL_S
+            ),
+            sweep_interval_s=self.value(
+                jobs, "jobs", "sweep_interval", positive, DEFAULT_SWEEP_INTERVAL_S
+            ),
+        )
+
+        raw_repos = raw.get("repositories")
+        if raw_repos is None:
+            raw_repos = default_repositories()
+        if not isinstance(raw_repos, list):
+            self.error("repositories", "must be an array of tables ([[repositories]])")
+            raw_repos = []
+        repositories: list[RepositorySettings[Any]] = []
+        seen: set[str] = set()
+        for index, raw_repo in enumerate(raw_repos):
+            repo = self.repository(raw_repo, index)
+            if repo is None:
+                continue
+            if repo.name in seen:
+                self.error(f"repositories.{repo.name}.name", "is used by two repositories")
+            seen.add(repo.name)
+            repositories.append(repo)
+
+        if self.errors:
+            return None
+        return Settings(
+            host=host,
+            port=port,
+            workers=workers,
+            database_url=database_url,
+            storage_path=Path(storage_path),
+            upstream=upstream_settings,
+            leases=lease_settings,
+            jobs=job_settings,
+            repositories=tuple(repositories),
+            source=source,
+        )
+
+    # -- repositories -------------------------------------------------------------
+
+    def repository(self, raw: object, index: int) -> RepositorySettings[Any] | None:
+        where = f"repositories[{index}]"
+        if not isinstance(raw, dict):
+            self.error(where, "must be a table")
+            return None
+        name = self.value(raw, where, "name", Text())
+        if name is None:
+            if "name" not in raw:
+                self.error(f"{where}.name", "is required")
+            return None
+        if not _REPO_NAME_RE.match(name) or name in RESERVED_NAMES:
+            self.error(
+                f"{where}.name",
+                f"{name!r} is not a valid repository name; use lower-case letters, digits, "
+                "'.', '_' or '-' (it becomes the first path segment), not healthz/readyz/metrics",
+            )
+            return None
+        where = f"repositories.{name}"
+        fmt = self.value(raw, where, "format", Text())
+        if fmt not in formats.REGISTRY:
+            self.error(f"{where}.format", f"{fmt!r} is not one of {', '.join(formats.REGISTRY)}")
+            return None
+        plugin = formats.plugin(fmt)
+        declared = list(options_of(plugin.options))
+        allowed = {option.key for _, option, _ in declared} | {"name", "format"}
+        for key in raw:
+            if key not in allowed:
+                self.error(
+                    f"{where}.{key}",
+                    f"unknown key for format {fmt!r}; expected one of {', '.join(sorted(allowed))}",
+                )
+        errors_before = len(self.errors)
+        values: dict[str, Any] = {}
+        for field_name, option, default in declared:
+            key = f"{where}.{option.key}"
+            value: object = raw.get(option.key)
+            env_var = upstream_env_var(name)
+            if getattr(option.kind, "takes_env_override", False) and self.environ.get(env_var):
+                key = env_var
+                value = [u.strip() for u in self.environ[env_var].split(",") if u.strip()]
+            if value is None:
+                values[field_name] = default
+                continue
+            parsed = option.kind.parse(value, key, self)
+            values[field_name] = default if parsed is None else parsed
+        if len(self.errors) > errors_before:
+            return None
+        options = plugin.options(**values)
+        for key, message in (plugin.validate or _no_checks)(options):
+            self.error(f"{where}.{key}", message)
+        return RepositorySettings(name=name, format=fmt, options=options)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def table(self, raw: dict[str, Any], key: str, allowed: set[str]) -> dict[str, Any]:
+        value = raw.get(key, {})
+        if not isinstance(value, dict):
+            self.error(key, "must be a table")
+            return {}
+        for sub in value:
+            if sub not in allowed:
+                self.error(
+                    f"{key}.{sub}", f"unknown key; expected one of {', '.join(sorted(allowed))}"
+                )
+        return value
+
+    def value(
+        self,
+        table: dict[str, Any],
+        where: str,
+        name: str,
+        kind: OptionType[Any],
+        default: Any = None,
+    ) -> Any:
+        """``table[name]`` parsed as ``kind``; ``default`` if absent or invalid (reported)."""
+        if name not in table:
+            return default
+        parsed = kind.parse(table[name], f"{where}.{name}", self)
+        return default if parsed is None else parsed
+
+    def listen(self, value: str, key: str) -> tuple[str, int]:
+        host, sep, port_text = value.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+            self.error(key, f'{value!r} is not HOST:PORT; use e.g. "127.0.0.1:8080"')
+            return "127.0.0.1", 8080
+        return host, int(port_text)
+
+    def database_url(self, value: str, key: str) -> None:
+        scheme = value.split(":", 1)[0]
+        if scheme == "sqlite":
+            if not value.startswith("sqlite:///") or value == "sqlite:///":
+                self.error(key, f"{value!r} is not sqlite:///PATH (e.g. sqlite:///./data/proxy.db)")
+        elif scheme in ("postgresql", "postgres"):
+            try:
+                hostname = urlsplit(value).hostname
+            except ValueError:
+                hostname = None
+            if not hostname and "host=" not in value:
+                self.error(key, f"{hide_password(value)!r} has no host")
+        else:
+            self.error(
+                key,
+                f"{hide_password(value)!r}: the scheme must be sqlite:/// or postgresql://",
+            )
+
+
+def _no_checks(options: object) -> list[tuple[str, str]]:
+    return []

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 
 from proxy import metrics
-from proxy.catalog import Catalog, Entry, now_ms
+from proxy.catalog import Catalog, Entry
+from proxy.clock import Clock
 from proxy.exceptions import CatalogError
 from proxy.types import Kind
 
@@ -47,11 +48,12 @@ class EntryIndex:
 class AccessLog:
     """Last-access times noted on the hit path and flushed to the catalog in batches."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         self._pending: dict[tuple[str, str], int] = {}
 
     def record(self, repository: str, key: str) -> None:
-        self._pending[(repository, key)] = now_ms()
+        self._pending[(repository, key)] = self.clock.now_ms()
 
     async def flush(self, catalog: Catalog) -> int:
         if not self._pending:

@@ -1,7 +1,8 @@
-"""The miss path (DESIGN §4): single-flight in the process, a fetch lease across
-processes, and a download that every waiter reads while it arrives.
+"""The miss path (docs/architecture.md, "The request path of a miss"): single flight in
+the process, a fetch lease across processes, and a download every waiter reads while
+it arrives.
 
-``Fetcher.fetch(spec, stale)`` returns an ``Outcome`` as soon as a client can start
+``Fetcher.fetch(miss, stale)`` returns an ``Outcome`` as soon as a client can start
 answering: ``Streaming`` once the first bytes are on disk, or the final result. The
 fetch itself runs in the app's task group, so a client that leaves cancels only its
 own wait, never the fetch nor the other clients joined to it.
@@ -13,18 +14,15 @@ decides *whether* to (lease), and stores, verifies and streams what arrives.
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from proxy import metrics
 from proxy.blobs import SUPPORTED_DIGESTS, BlobStore
-from proxy.catalog import Catalog, Entry, now_ms
+from proxy.catalog import Catalog, Entry
+from proxy.clock import Clock
+from proxy.contract import Fetched, FetchSpec, OriginContext, Status
 from proxy.download import Download
 from proxy.entry_index import EntryIndex
 from proxy.exceptions import (
@@ -36,66 +34,25 @@ from proxy.exceptions import (
 )
 from proxy.leases import HeldLease, LeaseCoordinator, Verdict
 from proxy.tasks import TaskSupervisor
-from proxy.types import Digests, Kind
+from proxy.types import Kind, Validators
 
 log = logging.getLogger("proxy.fetch")
 
 INLINE_BODY_LIMIT_BYTES = 64 * 1024 * 1024  # bodies never stored (TTL 0) are held in memory
 
 
-class Status(enum.Enum):
-    OK = "ok"
-    NOT_MODIFIED = "not_modified"
-    NOT_FOUND = "not_found"
-
-
-@dataclass
-class Fetched:
-    """What an origin got from upstream: a body to store, a 304, or a confirmed miss."""
-
-    status: Status
-    body: AsyncIterator[bytes] | None = None
-    content_type: str | None = None
-    length: int | None = None  # the body size, when known before reading it
-    etag: str | None = None
-    last_modified: str | None = None
-    expected: Digests = field(default_factory=dict)  # digests the body must match
-    # Digests learnt while the body downloads (e.g. Maven's .sha1 files), awaited at the end.
-    expected_later: Callable[[], Awaitable[Digests]] | None = None
-    message: str = ""  # for NOT_FOUND: what was missing, for the client
-
-
-class Origin(Protocol):
-    """How to get one key from upstream. Formats implement it; it never touches storage."""
-
-    def open(self, stale: Entry | None) -> AbstractAsyncContextManager[Fetched]:
-        """Ask the upstream (conditionally, if ``stale`` has validators).
-
-        Raises ``UpstreamError`` for outages; a confirmed miss is ``Status.NOT_FOUND``.
-        """
-        ...
-
-
 @dataclass(frozen=True)
-class FetchSpec:
+class Miss:
+    """One key of one repository to get from upstream, and what its origin may use."""
+
     repository: str
     format: str
-    key: str
-    kind: Kind  # IMMUTABLE or METADATA
-    origin: Origin
-    ttl_s: float | None = None  # METADATA: seconds fresh; 0 = never stored
-    negative_ttl_s: float = 0.0
-    digests: tuple[str, ...] = ()  # extra digests to compute and keep (e.g. sha1, md5)
-    stream: bool = True  # may clients read the body while it downloads?
+    spec: FetchSpec
+    context: OriginContext
 
     @property
-    def storable(self) -> bool:
-        return self.kind is not Kind.METADATA or bool(self.ttl_s)
-
-    def expires_at_ms(self, fetched_at_ms: int) -> int | None:
-        if self.kind is Kind.METADATA and self.ttl_s is not None:
-            return fetched_at_ms + int(self.ttl_s * 1000)
-        return None
+    def key(self) -> str:
+        return self.spec.key
 
 
 # -- outcomes: what a waiting request gets ---------------------------------------------
@@ -157,38 +114,40 @@ class Fetcher:
         index: EntryIndex,
         leases: LeaseCoordinator,
         tasks: TaskSupervisor,
+        clock: Clock,
     ) -> None:
         self.catalog = catalog
         self.blobs = blobs
         self.index = index
         self.leases = leases
         self.tasks = tasks
+        self.clock = clock
         self._flights: dict[tuple[str, str], _Flight] = {}
 
-    async def fetch(self, spec: FetchSpec, stale: Entry | None) -> Outcome:
-        """Join the fetch of ``spec.key`` running in this process, or start one."""
-        flight_key = (spec.repository, spec.key)
+    async def fetch(self, miss: Miss, stale: Entry | None) -> Outcome:
+        """Join the fetch of ``miss.key`` running in this process, or start one."""
+        flight_key = (miss.repository, miss.key)
         flight = self._flights.get(flight_key)
         if flight is not None:
-            metrics.COALESCED_WAITERS.labels(repository=spec.repository).inc()
+            metrics.COALESCED_WAITERS.labels(repository=miss.repository).inc()
         else:
             if self.tasks.closing:
                 raise ShuttingDown("the proxy is shutting down")
             flight = _Flight()
             self._flights[flight_key] = flight
             self.tasks.spawn(
-                f"fetch:{spec.repository}/{spec.key}", self._run(spec, stale, flight, flight_key)
+                f"fetch:{miss.repository}/{miss.key}", self._run(miss, stale, flight, flight_key)
             )
         # shield: a client that leaves cancels its own wait, not the shared future.
         return await asyncio.shield(flight.first)
 
     async def _run(
-        self, spec: FetchSpec, stale: Entry | None, flight: _Flight, flight_key: tuple[str, str]
+        self, miss: Miss, stale: Entry | None, flight: _Flight, flight_key: tuple[str, str]
     ) -> None:
-        gauge = metrics.FETCHES_IN_FLIGHT.labels(repository=spec.repository)
+        gauge = metrics.FETCHES_IN_FLIGHT.labels(repository=miss.repository)
         gauge.inc()
         try:
-            await self._resolve(spec, stale, flight)
+            await self._resolve(miss, stale, flight)
         except asyncio.CancelledError:
             flight.settle_error(ShuttingDown("the proxy is shutting down"))
             raise
@@ -199,20 +158,20 @@ class Fetcher:
             if self._flights.get(flight_key) is flight:
                 del self._flights[flight_key]
 
-    async def _resolve(self, spec: FetchSpec, stale: Entry | None, flight: _Flight) -> None:
-        if not spec.storable:
+    async def _resolve(self, miss: Miss, stale: Entry | None, flight: _Flight) -> None:
+        if not miss.spec.storable:
             # Never stored, so nothing for another process to wait for: no lease.
-            await self._download(spec, stale, flight, held=None)
+            await self._download(miss, stale, flight, held=None)
             return
         took_over = False
         while True:
-            held = await self.leases.claim(spec.repository, spec.key)
+            held = await self.leases.claim(miss.repository, miss.key)
             if held is not None:
                 if took_over:
-                    metrics.LEASE_TAKEOVERS.labels(repository=spec.repository).inc()
+                    metrics.LEASE_TAKEOVERS.labels(repository=miss.repository).inc()
                 try:
                     # Another process may have stored it between our lookup and our claim.
-                    entry = await self._find_fresh(spec)
+                    entry = await self._find_fresh(miss)
                 except BaseException:
                     await held.release("released")  # never leave a won lease behind
                     raise
@@ -220,11 +179,11 @@ class Fetcher:
                     await held.release("done")
                     flight.settle(_served(entry))
                     return
-                await self._download(spec, stale, flight, held)
+                await self._download(miss, stale, flight, held)
                 return
-            metrics.LEASE_WAITS.labels(repository=spec.repository).inc()
+            metrics.LEASE_WAITS.labels(repository=miss.repository).inc()
             result = await self.leases.wait(
-                spec.repository, spec.key, lambda: self._find_fresh(spec)
+                miss.repository, miss.key, lambda: self._find_fresh(miss)
             )
             if result.verdict is Verdict.ENTRY:
                 assert result.entry is not None
@@ -233,54 +192,52 @@ class Fetcher:
                 return
             if result.verdict is Verdict.FAILED:
                 if stale is not None:
-                    self._serve_stale(
-                        spec,
-                        stale,
-                        f"the fetch by another process failed (fence {result.fence})",
-                        flight,
-                    )
+                    reason = f"the fetch by another process failed (fence {result.fence})"
+                    self._serve_stale(miss, stale, reason, flight)
                     return
                 # Nothing to fall back on: fetch at the same time as the others, unleased.
-                await self._download(spec, stale, flight, held=None)
+                await self._download(miss, stale, flight, held=None)
                 return
             log.info(
                 "lease takeover repository=%s key=%s after fence=%s",
-                spec.repository,
-                spec.key,
+                miss.repository,
+                miss.key,
                 result.fence,
             )
             took_over = True
 
-    async def _find_fresh(self, spec: FetchSpec) -> Entry | None:
-        entry = await self.catalog.get_entry(spec.repository, spec.key)
-        return entry if entry is not None and entry.is_fresh() else None
+    async def _find_fresh(self, miss: Miss) -> Entry | None:
+        entry = await self.catalog.get_entry(miss.repository, miss.key)
+        return entry if entry is not None and entry.is_fresh(self.clock.now_ms()) else None
 
-    def _serve_stale(self, spec: FetchSpec, stale: Entry, reason: str, flight: _Flight) -> None:
-        metrics.STALE_SERVED.labels(repository=spec.repository).inc()
+    def _serve_stale(self, miss: Miss, stale: Entry, reason: str, flight: _Flight) -> None:
+        metrics.STALE_SERVED.labels(repository=miss.repository).inc()
         log.warning(
             "serving stale repository=%s key=%s age=%.0fs reason=%s",
-            spec.repository,
-            spec.key,
-            (now_ms() - stale.fetched_at_ms) / 1000,
+            miss.repository,
+            miss.key,
+            (self.clock.now_ms() - stale.fetched_at_ms) / 1000,
             reason,
         )
         flight.settle(Stale(stale, reason))
 
     async def _download(
-        self, spec: FetchSpec, stale: Entry | None, flight: _Flight, held: HeldLease | None
+        self, miss: Miss, stale: Entry | None, flight: _Flight, held: HeldLease | None
     ) -> None:
-        started = time.monotonic()
+        spec = miss.spec
+        started = self.clock.monotonic()
         state = "released"
         outcome = "error"
+        validators = Validators(stale.etag, stale.last_modified) if stale is not None else None
         try:
-            async with spec.origin.open(stale) as fetched:
+            async with spec.origin.open(miss.context, validators) as fetched:
                 if fetched.status is Status.NOT_MODIFIED and stale is not None:
-                    fetched_at = now_ms()
+                    fetched_at = self.clock.now_ms()
                     entry = stale.refreshed(
                         fetched_at,
                         spec.expires_at_ms(fetched_at),
-                        fetched.etag,
-                        fetched.last_modified,
+                        fetched.validators.etag,
+                        fetched.validators.last_modified,
                     )
                     await self.catalog.refresh_entry(entry)
                     self.index.put(entry)
@@ -291,7 +248,7 @@ class Fetcher:
                         f"{spec.key}: upstream answered 304 to an unconditional GET"
                     )
                 elif fetched.status is Status.NOT_FOUND:
-                    await self._store_negative(spec)
+                    await self._store_negative(miss)
                     flight.settle(Missing(fetched.message or f"{spec.key} not found upstream"))
                     outcome = "not_found"
                 elif not spec.storable:
@@ -299,41 +256,42 @@ class Fetcher:
                     flight.settle(Inline(body, fetched.content_type))
                     outcome = "passed_through"
                 else:
-                    await self._store_body(spec, fetched, flight)
+                    await self._store_body(miss, fetched, flight)
                     outcome = "stored"
             state = "done"
         except UpstreamError as exc:
             state = "failed"
             if isinstance(exc, DigestMismatch):
-                metrics.DIGEST_MISMATCHES.labels(repository=spec.repository).inc()
+                metrics.DIGEST_MISMATCHES.labels(repository=miss.repository).inc()
             log.warning(
-                "fetch failed repository=%s key=%s error=%s", spec.repository, spec.key, exc
+                "fetch failed repository=%s key=%s error=%s", miss.repository, spec.key, exc
             )
             if stale is not None and stale.kind is Kind.METADATA:
-                self._serve_stale(spec, stale, str(exc), flight)
+                self._serve_stale(miss, stale, str(exc), flight)
             else:
                 raise
         finally:
             metrics.UPSTREAM_FETCH_DURATION.labels(
-                repository=spec.repository, outcome=outcome
-            ).observe(time.monotonic() - started)
+                repository=miss.repository, outcome=outcome
+            ).observe(self.clock.monotonic() - started)
             if held is not None:
                 await held.release(state)
         log.info(
             "fetch repository=%s key=%s outcome=%s duration=%.3fs lease=%s",
-            spec.repository,
+            miss.repository,
             spec.key,
             outcome,
-            time.monotonic() - started,
+            self.clock.monotonic() - started,
             held.fence if held else "none",
         )
 
-    async def _store_negative(self, spec: FetchSpec) -> None:
+    async def _store_negative(self, miss: Miss) -> None:
+        spec = miss.spec
         if spec.negative_ttl_s <= 0 or not spec.storable:
             return
-        fetched_at = now_ms()
+        fetched_at = self.clock.now_ms()
         entry = Entry(
-            repository=spec.repository,
+            repository=miss.repository,
             key=spec.key,
             kind=Kind.NEGATIVE,
             sha256=None,
@@ -345,7 +303,8 @@ class Fetcher:
         await self.catalog.put_entry(entry)
         self.index.put(entry)
 
-    async def _store_body(self, spec: FetchSpec, fetched: Fetched, flight: _Flight) -> None:
+    async def _store_body(self, miss: Miss, fetched: Fetched, flight: _Flight) -> None:
+        spec = miss.spec
         assert fetched.body is not None
         expected = {name: value.lower() for name, value in fetched.expected.items()}
         wanted = set(spec.digests) | {
@@ -354,7 +313,7 @@ class Fetcher:
         temp = self.blobs.new_temp(wanted)
         download = Download(str(temp.path), fetched.content_type, fetched.length)
         flight.download = download
-        upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=spec.repository)
+        upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=miss.repository)
 
         def progressed(written: int) -> None:
             if download.error is not None:
@@ -391,9 +350,9 @@ class Fetcher:
             temp.discard()
             download.fail(exc if isinstance(exc, Exception) else ShuttingDown("shutting down"))
             raise
-        fetched_at = now_ms()
+        fetched_at = self.clock.now_ms()
         entry = Entry(
-            repository=spec.repository,
+            repository=miss.repository,
             key=spec.key,
             kind=spec.kind,
             sha256=sha256,
@@ -401,8 +360,8 @@ class Fetcher:
             content_type=fetched.content_type,
             fetched_at_ms=fetched_at,
             expires_at_ms=spec.expires_at_ms(fetched_at),
-            etag=fetched.etag,
-            last_modified=fetched.last_modified,
+            etag=fetched.validators.etag,
+            last_modified=fetched.validators.last_modified,
             digests=computed,
             last_access_ms=fetched_at,
         )
@@ -412,7 +371,7 @@ class Fetcher:
             # The bytes are verified and published; clients still get them. Recording
             # fails only the cache, which the next request retries.
             metrics.CATALOG_ERRORS.labels(operation="put_entry").inc()
-            log.error("could not record repository=%s key=%s: %s", spec.repository, spec.key, exc)
+            log.error("could not record repository=%s key=%s: %s", miss.repository, spec.key, exc)
             download.finish(None, str(self.blobs.path(sha256)))
             flight.settle(Streaming(download))
             return

@@ -1,4 +1,5 @@
-"""Fetch leases across processes (DESIGN §5), on either catalog backend.
+"""Fetch leases across processes (docs/architecture.md, "Fetch leases"), on either
+catalog backend.
 
 A process that misses a key claims its lease before fetching; while it downloads it
 renews every TTL/3. Other processes wait for the outcome instead of fetching too.
@@ -26,15 +27,15 @@ import logging
 import os
 import random
 import socket
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from proxy import metrics
 from proxy.catalog import Catalog, Entry, LeaseGrant, LeaseRow
-from proxy.config import LeaseSettings
+from proxy.clock import SYSTEM_CLOCK, Clock
 from proxy.exceptions import CatalogError
+from proxy.settings import LeaseSettings
 from proxy.tasks import TaskSupervisor
 
 log = logging.getLogger("proxy.leases")
@@ -107,12 +108,12 @@ class HeldLease:
             await asyncio.sleep(delay_s)
             if self.released:
                 return
-            sent = time.monotonic()
+            sent = self.coordinator.clock.monotonic()
             try:
                 async with asyncio.timeout(interval_s):
                     ok = await self.coordinator.catalog.renew_lease(self.grant, ttl_s)
             except (CatalogError, TimeoutError) as exc:
-                silent_s = time.monotonic() - self._last_renewed
+                silent_s = self.coordinator.clock.monotonic() - self._last_renewed
                 if silent_s > ttl_s:
                     self._mark_lost(f"database unreachable for {silent_s:.1f}s ({exc})")
                     return
@@ -140,7 +141,8 @@ class HeldLease:
         if self._renewer is not None:
             self._renewer.cancel()
         self.coordinator._held.discard(self)
-        if self.lost or time.monotonic() - self._last_renewed > self.coordinator.ttl_s:
+        silent_s = self.coordinator.clock.monotonic() - self._last_renewed
+        if self.lost or silent_s > self.coordinator.ttl_s:
             self._mark_lost("expired before release")
             return
         try:
@@ -160,9 +162,15 @@ class LeaseCoordinator:
     """Claims, renews, releases and waits on fetch leases for this process."""
 
     def __init__(
-        self, catalog: Catalog, settings: LeaseSettings, tasks: TaskSupervisor, holder: str
+        self,
+        catalog: Catalog,
+        settings: LeaseSettings,
+        tasks: TaskSupervisor,
+        holder: str,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.catalog = catalog
+        self.clock = clock
         self.ttl_s = settings.ttl_s
         self.poll_interval_s = settings.poll_interval_s
         self.tasks = tasks
@@ -171,7 +179,7 @@ class LeaseCoordinator:
         self._wakeups: dict[str, set[asyncio.Event]] = {}
 
     async def claim(self, repository: str, key: str) -> HeldLease | None:
-        sent_at = time.monotonic()
+        sent_at = self.clock.monotonic()
         claiming = asyncio.ensure_future(
             self.catalog.claim_lease(lease_key(repository, key), self.holder, self.ttl_s)
         )
@@ -203,7 +211,7 @@ class LeaseCoordinator:
     ) -> WaitResult:
         """Wait, detached from any client, until the holder's outcome is known."""
         lkey = lease_key(repository, key)
-        started = time.monotonic()
+        started = self.clock.monotonic()
         outcome = "error"
         try:
             while True:
@@ -228,7 +236,7 @@ class LeaseCoordinator:
                             del self._wakeups[lkey]
         finally:
             metrics.LEASE_WAIT_DURATION.labels(repository=repository, outcome=outcome).observe(
-                time.monotonic() - started
+                self.clock.monotonic() - started
             )
 
     async def _look(

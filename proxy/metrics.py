@@ -158,9 +158,9 @@ REPOSITORY_SIZE = Gauge(
     ["repository"],
     multiprocess_mode="mostrecent",
 )
-BUILD_CACHE_WRITES = Counter(
-    "proxy_build_cache_writes_total",
-    "Build cache PUTs, by result (stored, too_large, unauthorized, forbidden)",
+UPLOADS = Counter(
+    "proxy_uploads_total",
+    "Uploads (build cache PUTs), by result (stored, too_large, unauthorized, forbidden)",
     ["repository", "result"],
 )
 

@@ -1,9 +1,10 @@
-"""Type aliases and small value types shared across modules."""
+"""Type aliases and small value types shared across modules (engine and formats)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 Digests = dict[str, str]
@@ -22,3 +23,35 @@ class Kind(enum.StrEnum):
     METADATA = "metadata"  # index pages, maven-metadata.xml, SNAPSHOTs: fresh for a TTL
     NEGATIVE = "negative"  # a confirmed upstream 404, for a short TTL
     HOSTED = "hosted"  # written by clients (Gradle build cache)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A file an index page listed: the only URLs a file request may make us fetch."""
+
+    repository: str
+    key: str
+    url: str
+    digests: Digests
+    size: int | None = None  # as the index page stated it, when it did
+
+
+@dataclass(frozen=True, slots=True)
+class Validators:
+    """What a stale copy tells the upstream in a conditional GET."""
+
+    etag: str | None = None
+    last_modified: str | None = None
+
+    @classmethod
+    def of(cls, headers: Mapping[str, str]) -> Validators:
+        """The ETag and Last-Modified of an upstream answer."""
+        return cls(headers.get("etag"), headers.get("last-modified"))
+
+    def conditional_headers(self) -> dict[str, str]:
+        headers = {}
+        if self.etag:
+            headers["If-None-Match"] = self.etag
+        if self.last_modified:
+            headers["If-Modified-Since"] = self.last_modified
+        return headers

@@ -1,4 +1,5 @@
-"""Talking to upstreams: one httpx client, streaming GETs, retries, error mapping.
+"""Talking to upstreams: one httpx client, streaming GETs, retries, error mapping; the
+engine's implementation of ``contract.UpstreamClient``.
 
 httpx errors are translated here, once, into ``UpstreamError`` subclasses. Only
 idempotent requests are sent, so connection failures and 429/5xx answers are retried
@@ -20,8 +21,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy import __version__, metrics
-from proxy.config import UpstreamSettings
 from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from proxy.settings import UpstreamSettings
 
 log = logging.getLogger("proxy.upstream")
 
@@ -61,11 +62,11 @@ class Upstream:
         self.read_timeout_s = settings.read_timeout_s
 
     @asynccontextmanager
-    async def stream(
+    async def open(
         self, method: str, url: str, headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[httpx.Response]:
-        """Open ``method url``; retried on connection errors and 429/5xx. The caller reads
-        the body with ``iter_body``. Statuses other than those retried are returned as is.
+    ) -> AsyncIterator[UpstreamAnswer]:
+        """Open ``method url``; retried on connection errors and 429/5xx. Statuses other
+        than those retried are returned as is; the caller reads the body (or not).
         """
         host = urlsplit(url).netloc
         attempt = 0
@@ -111,10 +112,39 @@ class Upstream:
                     retry_after_s=retry_after,
                 )
             try:
-                yield response
+                yield UpstreamAnswer(response)
             finally:
                 await response.aclose()
             return
+
+
+class UpstreamAnswer:
+    """``contract.UpstreamResponse`` over an httpx response whose body is unread."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+
+    @property
+    def status(self) -> int:
+        return self._response.status_code
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._response.headers
+
+    @property
+    def url(self) -> str:
+        return str(self._response.url)
+
+    @property
+    def length(self) -> int | None:
+        return content_length(self._response)
+
+    def body(self) -> AsyncIterator[bytes]:
+        return iter_body(self._response)
+
+    async def read(self, limit: int) -> bytes:
+        return await read_body(self._response, limit)
 
 
 async def iter_body(response: httpx.Response) -> AsyncIterator[bytes]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import textwrap
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -11,7 +12,9 @@ import pytest
 
 from proxy.app import create_app
 from proxy.catalog import Catalog, open_catalog
-from proxy.config import Settings, load
+from proxy.clock import ManualClock
+from proxy.config import load
+from proxy.settings import Settings
 from tests.maven_repo import MissingMavenRepo, copy_with_checksums
 from tests.pg import PostgresServer, create_database, drop_database
 from tests.upstream import FakeUpstream, ServerThread, start_upstream
@@ -134,11 +137,26 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-async def catalog(database_url: str) -> AsyncIterator[Catalog]:
-    opened = open_catalog(database_url)
+def clock() -> ManualClock:
+    """A clock that moves only when the test says (SQLite leases and job runs use it)."""
+    return ManualClock()
+
+
+@pytest.fixture
+async def catalog(database_url: str, clock: ManualClock) -> AsyncIterator[Catalog]:
+    opened = open_catalog(database_url, clock)
     await opened.migrate()
     yield opened
     await opened.close()
+
+
+async def pass_time(catalog: Catalog, clock: ManualClock, seconds: float) -> None:
+    """Let ``seconds`` pass for the catalog: the SQLite catalog's clock is moved at once;
+    Postgres judges leases by its own clock, so there the test really waits."""
+    if catalog.backend == "sqlite":
+        clock.advance(seconds)
+    else:
+        await asyncio.sleep(seconds)
 
 
 # -- Debian's system Maven repository, as a real upstream ------------------------------

@@ -6,8 +6,11 @@ import asyncio
 
 import pytest
 
-from proxy.catalog import Catalog, Entry, Link, now_ms, open_catalog
-from proxy.types import Kind
+from proxy.catalog import Catalog, Entry, open_catalog
+from proxy.clock import SYSTEM_CLOCK
+from proxy.types import Kind, Link
+
+now_ms = SYSTEM_CLOCK.now_ms
 
 pytestmark = pytest.mark.anyio
 
@@ -50,7 +53,7 @@ async def test_refresh_delete_and_conditional_delete(catalog: Catalog) -> None:
     refreshed = entry.refreshed(now_ms(), now_ms() + 60_000, '"new"', None)
     await catalog.refresh_entry(refreshed)
     got = await catalog.get_entry("r", "m")
-    assert got is not None and got.is_fresh() and got.etag == '"new"'
+    assert got is not None and got.is_fresh(now_ms()) and got.etag == '"new"'
     assert not await catalog.delete_entry("r", "m", "f" * 64)  # points elsewhere now? no
     assert await catalog.delete_entry("r", "m", entry.sha256)
     assert await catalog.get_entry("r", "m") is None
@@ -115,6 +118,7 @@ async def test_concurrent_migrations_apply_once(database_url: str) -> None:
         applied = [names for names in results if names]
         assert len(applied) == 1
         assert applied[0][0] == "0001_init"
+        assert [c for c in catalogs if c.backend == "sqlite"] == [] or "0002_job_locks_by_file" in applied[0]
     finally:
         for c in catalogs:
             await c.close()

@@ -113,8 +113,8 @@ def test_full_file_with_env_references(tmp_path: Path) -> None:
     settings = load(path, {"GRADLE_PASSWORD": "s3cret"})
     cache = settings.repository("gradle-cache")
     assert cache is not None
-    assert cache.max_entry_size == 10**8 and cache.max_size == 10 * 10**9
-    assert cache.users[0].password == "s3cret"
+    assert cache.options.max_entry_size == 10**8 and cache.options.max_size == 10 * 10**9
+    assert cache.options.users[0].password == "s3cret"
     assert "s3cret" not in settings.describe()
     assert settings.leases.ttl_s == 15 and settings.leases.poll_interval_s == 0.25
 

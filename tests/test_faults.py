@@ -14,10 +14,11 @@ import pytest
 
 from proxy.catalog import Entry, migrations_dir
 from proxy.catalog.sqlite import SqliteCatalog
-from proxy.config import LeaseSettings
+from proxy.clock import SYSTEM_CLOCK
 from proxy.exceptions import CatalogError
 from proxy.jobs import Job, Scheduler
 from proxy.leases import LeaseCoordinator
+from proxy.settings import LeaseSettings
 from proxy.tasks import TaskSupervisor
 from tests.upstream import FakeUpstream, ProjectFile, ServerThread
 
@@ -28,7 +29,7 @@ class FlakyCatalog(SqliteCatalog):
     """SQLite, but the next call of a chosen method raises CatalogError."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(path, migrations_dir() / "sqlite")
+        super().__init__(path, migrations_dir() / "sqlite", SYSTEM_CLOCK)
         self.fail_next: set[str] = set()
 
     def _maybe_fail(self, name: str) -> None:
@@ -47,8 +48,9 @@ class FlakyCatalog(SqliteCatalog):
 
 async def test_a_won_lease_is_released_when_the_next_read_fails(tmp_path: Path) -> None:
     from proxy.blobs import BlobStore
+    from proxy.contract import FetchSpec, OriginContext
     from proxy.entry_index import EntryIndex
-    from proxy.fetch import Fetcher, FetchSpec
+    from proxy.fetch import Fetcher, Miss
     from proxy.types import Kind
 
     catalog = FlakyCatalog(tmp_path / "c.db")
@@ -57,16 +59,17 @@ async def test_a_won_lease_is_released_when_the_next_read_fails(tmp_path: Path) 
     leases = LeaseCoordinator(catalog, LeaseSettings(ttl_s=30), tasks, "me")
     blobs = BlobStore(tmp_path / "data")
     blobs.prepare()
-    fetcher = Fetcher(catalog, blobs, EntryIndex(), leases, tasks)
+    fetcher = Fetcher(catalog, blobs, EntryIndex(), leases, tasks, SYSTEM_CLOCK)
 
     class NeverOpened:
-        def open(self, stale: Entry | None) -> object:
+        def open(self, ctx: object, stale: object) -> object:
             raise AssertionError("the fetch must not start")
 
-    spec = FetchSpec("r", "pypi", "k", Kind.IMMUTABLE, NeverOpened())  # type: ignore[arg-type]
+    spec = FetchSpec("k", Kind.IMMUTABLE, NeverOpened())  # type: ignore[arg-type]
+    context = OriginContext(upstream=None, links=None, get=None)  # type: ignore[arg-type]
     catalog.fail_next.add("get_entry")  # the re-check right after the claim
     with pytest.raises(CatalogError):
-        await fetcher.fetch(spec, stale=None)
+        await fetcher.fetch(Miss("r", "pypi", spec, context), stale=None)
     row = await catalog.get_lease("r/k")
     assert row is not None and row.state == "released" and row.expired
     await tasks.close(1)

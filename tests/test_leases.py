@@ -1,19 +1,23 @@
-"""Fetch lease semantics (DESIGN §5) on both catalog backends, and the coordinator."""
+"""Fetch lease semantics (docs/architecture.md) on both catalog backends, and the coordinator."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import asyncpg
 import pytest
 
-from proxy.catalog import Catalog, Entry, LeaseGrant, now_ms, open_catalog
-from proxy.catalog import postgres as pg_sql
-from proxy.config import LeaseSettings
+from proxy.catalog import Catalog, Entry, LeaseGrant, open_catalog
+from proxy.catalog.queries import load
+from proxy.clock import SYSTEM_CLOCK, ManualClock
 from proxy.leases import LeaseCoordinator, Verdict
+from proxy.settings import LeaseSettings
 from proxy.tasks import TaskSupervisor
 from proxy.types import Kind
+from tests.conftest import pass_time
+
+pg_sql = load("postgres")
+now_ms = SYSTEM_CLOCK.now_ms
 
 pytestmark = pytest.mark.anyio
 
@@ -69,12 +73,12 @@ async def test_late_release_and_renewal_of_an_earlier_mandate_change_nothing(
 
 
 async def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced_off(
-    catalog: Catalog,
+    catalog: Catalog, clock: ManualClock
 ) -> None:
     old = await catalog.claim_lease("k", "a", 0.2)
     assert old is not None
     assert await catalog.claim_lease("k", "b", 30) is None
-    await asyncio.sleep(0.3)
+    await pass_time(catalog, clock, 0.3)
     row = await catalog.get_lease("k")
     assert row is not None and row.expired
     new = await catalog.claim_lease("k", "b", 30)
@@ -99,28 +103,30 @@ async def test_release_expires_in_place_with_its_final_state(catalog: Catalog) -
         assert successor is not None and successor.fence > grant.fence
 
 
-async def test_purged_key_gets_a_larger_fence_than_ever_before(catalog: Catalog) -> None:
+async def test_purged_key_gets_a_larger_fence_than_ever_before(
+    catalog: Catalog, clock: ManualClock
+) -> None:
     fences = []
     for _ in range(3):
         grant = await catalog.claim_lease("k", "a", 30)
         assert grant is not None
         fences.append(grant.fence)
         await catalog.release_lease(grant, "done")
-    await asyncio.sleep(0.01)
+    await pass_time(catalog, clock, 0.01)
     assert await catalog.purge_leases(0) >= 1
     assert await catalog.get_lease("k") is None
     after = await catalog.claim_lease("k", "a", 30)
     assert after is not None and after.fence > max(fences)
 
 
-async def test_purge_keeps_rows_within_retention(catalog: Catalog) -> None:
+async def test_purge_keeps_rows_within_retention(catalog: Catalog, clock: ManualClock) -> None:
     grant = await catalog.claim_lease("k", "a", 30)
     assert grant is not None
     await catalog.release_lease(grant, "done")
     assert await catalog.purge_leases(3600) == 0
     live = await catalog.claim_lease("live", "a", 30)
     assert live is not None
-    await asyncio.sleep(0.01)
+    await pass_time(catalog, clock, 0.01)
     assert await catalog.purge_leases(0) == 1  # the released one; the live one stays
     assert await catalog.get_lease("live") is not None
 
@@ -137,15 +143,15 @@ async def test_postgres_lease_times_use_clock_timestamp(pg_url: str) -> None:
     try:
         async with conn.transaction():
             await conn.execute("SELECT pg_sleep(1.0)")
-            fence = await conn.fetchval(pg_sql.CLAIM_LEASE, "k", "a", 1.5)
+            fence = await conn.fetchval(pg_sql["claim_lease"], "k", "a", 1.5)
             assert fence is not None
             remaining = await conn.fetchval(
                 "SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM fetch_leases WHERE key = 'k'"
             )
             assert remaining > 1.0
-            renewed = await conn.execute(pg_sql.RENEW_LEASE, "k", "a", fence, 1.5)
+            renewed = await conn.execute(pg_sql["renew_lease"], "k", "a", fence, 1.5)
             assert renewed == "UPDATE 1"
-            await conn.execute(pg_sql.RELEASE_LEASE, "k", "a", fence, "done")
+            await conn.execute(pg_sql["release_lease"], "k", "a", fence, "done")
             expired_lag = await conn.fetchval(
                 "SELECT extract(epoch FROM clock_timestamp() - expires_at) FROM fetch_leases WHERE key = 'k'"
             )
@@ -248,7 +254,9 @@ async def test_wait_ends_on_failed_or_released(
     await waiter_tasks.close(1)
 
 
-async def test_wait_takes_over_when_the_holder_stops_renewing(catalog: Catalog) -> None:
+async def test_wait_takes_over_when_the_holder_stops_renewing(
+    catalog: Catalog, clock: ManualClock
+) -> None:
     grant = await catalog.claim_lease("r/k", "dead-process", 0.5)
     assert grant is not None
     waiter, tasks = _coordinator(catalog, "b")
@@ -256,10 +264,12 @@ async def test_wait_takes_over_when_the_holder_stops_renewing(catalog: Catalog) 
     async def find() -> Entry | None:
         return None
 
-    started = time.monotonic()
-    result = await asyncio.wait_for(waiter.wait("r", "k", find), 5)
+    waiting = asyncio.ensure_future(waiter.wait("r", "k", find))
+    await asyncio.sleep(0.3)  # several polls (every 50 ms): the lease is still live
+    assert not waiting.done(), "it must wait for the expiry, not less"
+    await pass_time(catalog, clock, 0.5)
+    result = await asyncio.wait_for(waiting, 5)
     assert result.verdict is Verdict.TAKEOVER
-    assert time.monotonic() - started >= 0.3  # it waited for the expiry, not less
     held = await waiter.claim("r", "k")
     assert held is not None and held.fence > grant.fence
     await held.release("done")

@@ -1,27 +1,26 @@
 """The catalog: what is cached, where its bytes are, and who is fetching what.
 
 One ``Catalog`` protocol, two backends chosen by the database URL scheme:
-``sqlite:///`` (embedded default, ``catalog/sqlite.py``) and ``postgresql://``
-(``catalog/postgres.py``, for a fleet). SQL lives in each backend module.
+``sqlite:///`` (embedded default, ``catalog/sqlite.py``) and ``postgres://``
+(``catalog/postgres.py``, for a fleet). The operations are written once
+(``catalog/base.py``) over named statements, one SQL file per dialect
+(``catalog/sql/``); the backends differ only in how they connect, run a transaction,
+lock a job and deliver notifications (docs/architecture.md, "The catalog").
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from proxy.types import Digests, Kind
+from proxy.clock import SYSTEM_CLOCK, Clock
+from proxy.types import Digests, Kind, Link
 
 LEASE_STATES = ("fetching", "done", "failed", "released")
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +40,8 @@ class Entry:
     digests: Digests = field(default_factory=dict)  # every digest we computed, incl. sha256
     last_access_ms: int = 0
 
-    def is_fresh(self, at_ms: int | None = None) -> bool:
-        if self.expires_at_ms is None:
-            return True
-        return (at_ms if at_ms is not None else now_ms()) < self.expires_at_ms
+    def is_fresh(self, at_ms: int) -> bool:
+        return self.expires_at_ms is None or at_ms < self.expires_at_ms
 
     def refreshed(
         self,
@@ -60,17 +57,6 @@ class Entry:
             etag=etag or self.etag,
             last_modified=last_modified or self.last_modified,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Link:
-    """A file an index page listed: the only URLs a file request may make us fetch."""
-
-    repository: str
-    key: str
-    url: str
-    digests: Digests
-    size: int | None = None  # as the index page stated it, when it did
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +133,7 @@ class Catalog(Protocol):
 
     async def get_link(self, repository: str, key: str) -> Link | None: ...
 
-    # -- fetch leases (DESIGN §5) --------------------------------------------------------
+    # -- fetch leases (docs/architecture.md, "Fetch leases") -------------------------------
     async def claim_lease(self, key: str, holder: str, ttl_s: float) -> LeaseGrant | None:
         """One atomic claim: wins if the row is absent, expired, not 'fetching', or ours.
 
@@ -175,9 +161,13 @@ class Catalog(Protocol):
         """Delete rows expired for longer than ``retention_s``; returns how many."""
         ...
 
-    # -- background jobs (DESIGN §8) -------------------------------------------------------
+    # -- background jobs (docs/architecture.md, "Jobs") --------------------------------------
     def job_lock(self, name: str) -> AbstractAsyncContextManager[bool]:
-        """Hold the fleet-wide lock for one pass of job ``name``; yields False if taken."""
+        """Hold the fleet-wide lock for one pass of job ``name``; yields False if taken.
+
+        On both backends the lock dies with the holder's process (Postgres: a session
+        advisory lock; SQLite: an flock on a file beside the database).
+        """
         ...
 
     async def claim_job_run(self, name: str, interval_s: float, holder: str) -> int | None:
@@ -233,17 +223,27 @@ def entry_to_row(entry: Entry) -> tuple[Any, ...]:
     )
 
 
-def open_catalog(database_url: str, migrations_root: Path | None = None) -> Catalog:
-    from proxy.config import sqlite_path
+def open_catalog(
+    database_url: str, clock: Clock = SYSTEM_CLOCK, migrations_root: Path | None = None
+) -> Catalog:
+    """The catalog for ``database_url`` (``sqlite:///PATH`` or ``postgresql://...``).
 
+    ``clock`` is the SQLite catalog's clock for leases and job runs; Postgres judges
+    those by its own clock, so one database always has one clock.
+    """
     root = migrations_root or migrations_dir()
     if database_url.startswith("sqlite:"):
         from proxy.catalog.sqlite import SqliteCatalog
 
-        return SqliteCatalog(sqlite_path(database_url), root / "sqlite")
+        return SqliteCatalog(sqlite_path(database_url), root / "sqlite", clock)
     from proxy.catalog.postgres import PostgresCatalog
 
-    return PostgresCatalog(database_url, root / "postgres")
+    return PostgresCatalog(database_url, root / "postgres", clock)
+
+
+def sqlite_path(database_url: str) -> Path:
+    """``sqlite:///./data/proxy.db`` -> ``./data/proxy.db``; ``sqlite:////abs`` -> ``/abs``."""
+    return Path(database_url[len("sqlite:///") :])
 
 
 def migrations_dir() -> Path:

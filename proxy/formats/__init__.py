@@ -1,34 +1,27 @@
-"""Protocol adapters: each turns its clients' HTTP requests into cache-layer calls.
+"""The format registry: ``format = "..."`` -> the module that implements it.
 
-Formats know HTTP and their protocol; they never touch SQL or files directly.
+Adding a format is one new module that defines ``FORMAT = FormatPlugin(...)`` (see
+``proxy/contract.py`` and docs/architecture.md, "Adding a format") and one line here.
+Modules are imported on first use, so a format's code is not loaded unless configured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+import importlib
+from typing import Any
 
-from proxy.types import Receive, Scope, Send
+from proxy.contract import FormatPlugin
 
-ASGIResponse = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """What an adapter needs of a request; ``path`` is decoded and validated."""
-
-    method: str
-    repository: str
-    path: str  # after "/{repository}/", e.g. "simple/requests/"
-    headers: Mapping[str, str]  # lower-case names
-    scope: Scope
-    receive: Receive
-
-    @property
-    def base_path(self) -> str:
-        return f"{self.scope.get('root_path', '')}/{self.repository}/"
+REGISTRY: dict[str, str] = {
+    "pypi": "proxy.formats.pypi",
+    "maven": "proxy.formats.maven",
+    "gradle-build-cache": "proxy.formats.gradle_cache",
+    "raw": "proxy.formats.raw",
+}
 
 
-class Adapter(Protocol):
-    async def handle(self, request: Request) -> ASGIResponse: ...
+def plugin(name: str) -> FormatPlugin[Any]:
+    """The plugin registered as ``name``; KeyError if there is none."""
+    module = importlib.import_module(REGISTRY[name])
+    found: FormatPlugin[Any] = module.FORMAT
+    return found

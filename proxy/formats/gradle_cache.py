@@ -14,30 +14,108 @@ import base64
 import binascii
 import hmac
 import re
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
-from proxy import metrics, responses
-from proxy.cache import Cache
-from proxy.config import RepositorySettings
-from proxy.exceptions import BadRequest, Forbidden, NotFound, PayloadTooLarge, Unauthorized
-from proxy.formats import ASGIResponse, Request
+from proxy.contract import (
+    BadRequest,
+    Choice,
+    Forbidden,
+    FormatContext,
+    FormatPlugin,
+    OptionalSize,
+    PayloadTooLarge,
+    Reporter,
+    RepositorySettings,
+    Request,
+    Response,
+    Size,
+    Unauthorized,
+    empty_response,
+    error_response,
+    option,
+)
 
 CONTENT_TYPE = "application/vnd.gradle.build-cache-artifact.v2"
+DEFAULT_MAX_ENTRY_SIZE = 100 * 10**6
+ROLES = ("read", "write")
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,255}$")
 _ROLE_RANK = {"none": 0, "read": 1, "write": 2}
 
 
+@dataclass(frozen=True)
+class User:
+    name: str
+    password: str = field(repr=False)
+    role: str
+
+
+class Users:
+    """``[repositories.<name>.users.<user>]`` tables: ``password`` and ``role``."""
+
+    def parse(self, value: object, key: str, report: Reporter) -> tuple[User, ...] | None:
+        if not isinstance(value, dict):
+            report.error(key, "must be a table of user names")
+            return None
+        users: list[User] = []
+        for user_name, raw_user in value.items():
+            user_key = f"{key}.{user_name}"
+            if not isinstance(raw_user, dict):
+                report.error(user_key, "must be a table with password and role")
+                continue
+            if ":" in user_name or not user_name:
+                report.error(user_key, "a user name must not be empty or contain ':'")
+            for sub in raw_user:
+                if sub not in ("password", "role"):
+                    report.error(f"{user_key}.{sub}", "unknown key; expected password or role")
+            password = raw_user.get("password")
+            if isinstance(password, str):
+                password = report.expand(password, f"{user_key}.password")
+            if not isinstance(password, str) or not password:
+                report.error(f"{user_key}.password", "is required and must not be empty")
+                password = ""
+            role = Choice(*ROLES).parse(raw_user.get("role", "read"), f"{user_key}.role", report)
+            users.append(User(name=user_name, password=password, role=role or "read"))
+        return tuple(users)
+
+    def render(self, value: tuple[User, ...]) -> str:
+        return "\n".join(
+            f'users.{user.name} = {{ password = "***", role = "{user.role}" }}' for user in value
+        )
+
+
+@dataclass(frozen=True)
+class BuildCacheOptions:
+    max_entry_size: int = option(Size(), DEFAULT_MAX_ENTRY_SIZE)
+    max_size: int | None = option(OptionalSize(), None)  # LRU sweep keeps the total under it
+    anonymous: str = option(Choice("none", "read", "write"), "read")
+    users: tuple[User, ...] = option(Users(), ())
+
+
+def _validate(options: BuildCacheOptions) -> Iterator[tuple[str, str]]:
+    if options.max_size is not None and options.max_size < options.max_entry_size:
+        yield "max_size", "must not be smaller than max_entry_size"
+
+
+def _warnings(repo: RepositorySettings[BuildCacheOptions], listen_host: str) -> Iterator[str]:
+    if repo.options.anonymous == "write" and listen_host not in ("127.0.0.1", "::1", "localhost"):
+        yield (
+            f'repository {repo.name!r} lets anyone write (anonymous = "write") while listening '
+            f"on {listen_host}: set repositories.{repo.name}.anonymous and add users"
+        )
+
+
 class BuildCacheRepository:
-    def __init__(self, settings: RepositorySettings, cache: Cache) -> None:
-        self.settings = settings
+    def __init__(self, settings: RepositorySettings[BuildCacheOptions], ctx: FormatContext) -> None:
+        self.options = settings.options
         self.name = settings.name
-        self.cache = cache
-        self.users = {user.name: user for user in settings.users}
+        self.cache = ctx.cache
+        self.users = {user.name: user for user in self.options.users}
         self.challenge = {"www-authenticate": f'Basic realm="{self.name}", charset="UTF-8"'}
 
-    async def handle(self, request: Request) -> ASGIResponse:
+    async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD", "PUT"):
-            return responses.error(
+            return error_response(
                 405,
                 f"{request.method} is not allowed; use GET, HEAD or PUT",
                 {"allow": "GET, HEAD, PUT"},
@@ -52,33 +130,20 @@ class BuildCacheRepository:
             self._authorize(request, "write" if request.method == "PUT" else "read")
         except Unauthorized as exc:
             if request.method == "PUT":
-                metrics.BUILD_CACHE_WRITES.labels(self.name, "unauthorized").inc()
-            return responses.error(401, str(exc), self.challenge)
+                self.cache.count_upload("unauthorized")
+            return error_response(401, str(exc), self.challenge)
         except Forbidden as exc:
             if request.method == "PUT":
-                metrics.BUILD_CACHE_WRITES.labels(self.name, "forbidden").inc()
-            return responses.error(403, str(exc))
+                self.cache.count_upload("forbidden")
+            return error_response(403, str(exc))
         if request.method == "PUT":
             return await self._put(request, key)
-        entry = await self.cache.lookup(self.name, key)
-        if entry is None:
-            raise NotFound(f"no build cache entry {key}")
-        if request.method == "GET":
-            # Only a read is a use; a HEAD probe must not keep an entry from eviction.
-            self.cache.access.record(self.name, key)
-        metrics.CACHE_HITS.labels(self.name, "gradle-build-cache", "hosted").inc()
-        try:
-            return await self.cache.render_entry(
-                entry, request.method, request.headers, {"content-type": CONTENT_TYPE}
-            )
-        except FileNotFoundError:
-            await self.cache.forget(entry)
-            raise NotFound(f"no build cache entry {key}") from None
+        return await self.cache.serve_upload(key, request, CONTENT_TYPE)
 
     def _authorize(self, request: Request, needed: str) -> None:
         header = request.headers.get("authorization")
         if header is None:
-            if _ROLE_RANK[self.settings.anonymous] >= _ROLE_RANK[needed]:
+            if _ROLE_RANK[self.options.anonymous] >= _ROLE_RANK[needed]:
                 return
             raise Unauthorized(f"{needed} access to {self.name!r} needs credentials")
         scheme, _, encoded = header.partition(" ")
@@ -98,36 +163,37 @@ class BuildCacheRepository:
         if _ROLE_RANK[user.role] < _ROLE_RANK[needed]:
             raise Forbidden(f"user {user_name!r} may only read from {self.name!r}")
 
-    async def _put(self, request: Request, key: str) -> ASGIResponse:
-        limit = self.settings.max_entry_size
+    async def _put(self, request: Request, key: str) -> Response:
+        limit = self.options.max_entry_size
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
                 raise BadRequest(f"Content-Length {declared!r} is not a number")
             if int(declared) > limit:
-                metrics.BUILD_CACHE_WRITES.labels(self.name, "too_large").inc()
+                self.cache.count_upload("too_large")
                 # Decided before any body byte is read: with Expect: 100-continue the
                 # client never sends it.
-                return responses.error(
+                return error_response(
                     413, f"{key}: {declared} bytes is over this cache's {limit}-byte entry limit"
                 )
         content_type = request.headers.get("content-type") or CONTENT_TYPE
         try:
-            await self.cache.store_hosted(self.name, key, _body(request), limit, content_type)
+            await self.cache.store_upload(key, request.body(), limit, content_type)
         except PayloadTooLarge as exc:
-            metrics.BUILD_CACHE_WRITES.labels(self.name, "too_large").inc()
-            return responses.error(413, str(exc))
-        metrics.BUILD_CACHE_WRITES.labels(self.name, "stored").inc()
-        return responses.BodyResponse(201, [(b"content-length", b"0")], b"", self.name)
+            return error_response(413, str(exc))
+        return empty_response(201)
 
 
-async def _body(request: Request) -> AsyncIterator[bytes]:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest("the client went away before the body was complete")
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return
+FORMAT = FormatPlugin(
+    name="gradle-build-cache",
+    options=BuildCacheOptions,
+    build=BuildCacheRepository,
+    default_repository={
+        "name": "gradle-cache",
+        "format": "gradle-build-cache",
+        "anonymous": "write",
+    },
+    validate=_validate,
+    warnings=_warnings,
+    max_size=lambda options: options.max_size,
+)

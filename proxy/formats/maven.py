@@ -13,41 +13,40 @@ confirmed the miss, and an outage of one is never reported as a miss.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-import httpx
-
-from proxy import responses
-from proxy.cache import Cache
-from proxy.catalog import Entry
-from proxy.config import RepositorySettings
-from proxy.exceptions import (
+from proxy.contract import (
     BadRequest,
-    NotConfigured,
-    NotFound,
-    UpstreamError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-)
-from proxy.fetch import (
+    Digests,
+    Duration,
     Fetched,
     FetchSpec,
-    Inline,
-    Missing,
-    Outcome,
-    Stale,
+    FormatContext,
+    FormatPlugin,
+    Kind,
+    NotConfigured,
+    NotFound,
+    OriginContext,
+    RepositorySettings,
+    Request,
+    Response,
     Status,
-    Stored,
-    Streaming,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    Urls,
+    Validators,
+    empty_response,
+    error_response,
+    inline_response,
+    option,
 )
-from proxy.formats import ASGIResponse, Request
-from proxy.types import Digests, Kind
-from proxy.upstream import Upstream, content_length, iter_body, read_body
 
 log = logging.getLogger("proxy.maven")
 
@@ -122,114 +121,92 @@ def parse_path(path: str) -> MavenPath:
     return MavenPath(path, checksum, Kind.IMMUTABLE, snapshot=False)
 
 
-class MavenRepository:
-    def __init__(self, settings: RepositorySettings, cache: Cache, upstream: Upstream) -> None:
-        self.settings = settings
-        self.name = settings.name
-        self.cache = cache
-        self.upstream = upstream
+@dataclass(frozen=True)
+class MavenOptions:
+    upstream: tuple[str, ...] = option(Urls(), ())  # tried in order
+    metadata_ttl_s: float = option(Duration(), 1800.0, key="metadata_ttl")
+    snapshot_ttl_s: float = option(Duration(), 60.0, key="snapshot_ttl")
+    negative_ttl_s: float = option(Duration(), 300.0, key="negative_ttl")
 
-    async def handle(self, request: Request) -> ASGIResponse:
+
+class MavenRepository:
+    def __init__(self, settings: RepositorySettings[MavenOptions], ctx: FormatContext) -> None:
+        self.settings = settings
+        self.options = settings.options
+        self.name = settings.name
+        self.cache = ctx.cache
+        self.upstream = ctx.upstream
+
+    async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
-            return responses.error(
+            return error_response(
                 405,
                 f"{request.method} is not allowed: this is a read-only proxy of upstream "
                 "Maven repositories (deploy to your repository manager instead)",
                 {"allow": "GET, HEAD"},
             )
-        if not self.settings.upstreams:
+        if not self.options.upstream:
             raise NotConfigured(
                 f"repository {self.name!r} has no upstream configured; "
                 f"set {self.settings.upstream_setting}"
             )
         if request.path == PREFIXES_FILE:
-            if len(self.settings.upstreams) > 1:
+            if len(self.options.upstream) > 1:
                 # One upstream's prefix list would hide every other upstream's artifacts.
                 raise NotFound(
                     f"{PREFIXES_FILE} is not served by a repository with several upstreams"
                 )
             spec = self._spec(MavenPath(PREFIXES_FILE, None, Kind.METADATA, snapshot=False))
-            return await self.cache.respond(spec, request.method, request.headers)
+            return await self.cache.respond(spec, request)
         maven_path = parse_path(request.path)
         spec = self._spec(maven_path)
         if maven_path.checksum is not None:
             return await self._checksum(request, spec, maven_path.checksum)
-        if request.method == "HEAD":
-            entry = await self.cache.lookup(self.name, spec.key)
-            if entry is None or not entry.is_fresh():
-                probed = await self._probe(maven_path)
-                if probed is not None:
-                    return probed
-        return await self.cache.respond(
-            spec, request.method, request.headers, checksum_headers=True
-        )
+        if request.method == "HEAD" and not await self.cache.is_fresh(spec.key):
+            probed = await self._probe(maven_path)
+            if probed is not None:
+                return probed
+        return await self.cache.respond(spec, request, checksum_headers=True)
 
     def _spec(self, maven_path: MavenPath) -> FetchSpec:
         ttl_s = None
         if maven_path.kind is Kind.METADATA:
             ttl_s = (
-                self.settings.snapshot_ttl_s
-                if maven_path.snapshot
-                else self.settings.metadata_ttl_s
+                self.options.snapshot_ttl_s if maven_path.snapshot else self.options.metadata_ttl_s
             )
         return FetchSpec(
-            repository=self.name,
-            format="maven",
             key=maven_path.path,
             kind=maven_path.kind,
-            origin=MavenOrigin(self, maven_path.path, verify=maven_path.kind is Kind.IMMUTABLE),
+            origin=MavenOrigin(
+                self.options.upstream, maven_path.path, verify=maven_path.kind is Kind.IMMUTABLE
+            ),
             ttl_s=ttl_s,
-            negative_ttl_s=self.settings.negative_ttl_s,
+            negative_ttl_s=self.options.negative_ttl_s,
             digests=ALL_DIGESTS,
         )
 
-    async def _checksum(self, request: Request, spec: FetchSpec, algorithm: str) -> ASGIResponse:
+    async def _checksum(self, request: Request, spec: FetchSpec, algorithm: str) -> Response:
         """A checksum file, computed from the very bytes we serve for its base file.
 
         An existing entry answers even if its TTL has run out: refreshing metadata here
         would give the checksum of bytes the client has not received. Only a missing
         base file is fetched.
         """
-        existing = await self.cache.lookup(self.name, spec.key)
-        if existing is not None and existing.sha256 is not None:
-            outcome: Outcome = Stored(existing)
-        else:
-            outcome = await self.cache.get(spec)
-        if isinstance(outcome, Missing):
-            raise NotFound(outcome.message)
-        if isinstance(outcome, Inline):
-            digest = hashlib.new(algorithm, outcome.body).hexdigest()
-        else:
-            entry: Entry | None
-            if isinstance(outcome, Stored | Stale):
-                entry = outcome.entry
-            else:
-                assert isinstance(outcome, Streaming)
-                entry = await outcome.download.result()
-            if entry is None or algorithm not in entry.digests:
-                raise UpstreamUnavailable(
-                    f"{spec.key}: checksum not available yet; retry", status=503
-                )
-            digest = entry.digests[algorithm]
-        return responses.inline(
-            request.headers,
-            request.method,
-            digest.encode(),
-            "text/plain; charset=utf-8",
-            {},
-            self.name,
-        )
+        digests = await self.cache.served_digests(spec)
+        if algorithm not in digests:
+            raise UpstreamUnavailable(f"{spec.key}: checksum not available yet; retry", status=503)
+        return inline_response(request, digests[algorithm].encode(), "text/plain; charset=utf-8")
 
-    async def _probe(self, maven_path: MavenPath) -> ASGIResponse | None:
+    async def _probe(self, maven_path: MavenPath) -> Response | None:
         """HEAD on a miss: ask the upstreams with HEAD instead of downloading the body.
 
         None if an upstream does not do HEAD (405/501): the caller falls back to GET.
         """
         errors: list[UpstreamError] = []
-        for base in self.settings.upstreams:
+        for base in self.options.upstream:
             try:
-                async with self.upstream.stream("HEAD", base + maven_path.path) as response:
-                    status = response.status_code
+                async with self.upstream.open("HEAD", base + maven_path.path) as response:
+                    status = response.status
                     if status in NOT_FOUND_STATUSES:
                         continue
                     if status in (405, 501):
@@ -237,11 +214,11 @@ class MavenRepository:
                     if status != 200:
                         errors.append(UpstreamUnavailable(f"{base}: HEAD answered {status}"))
                         continue
-                    headers = [(b"content-type", _content_type(maven_path.path, response).encode())]
+                    headers = {"content-type": _content_type(maven_path.path, response)}
                     length = response.headers.get("content-length")
                     if length and length.isdigit():
-                        headers.append((b"content-length", length.encode()))
-                    return responses.BodyResponse(200, headers, b"", self.name)
+                        headers["content-length"] = length
+                    return empty_response(200, headers)
             except UpstreamError as exc:
                 errors.append(exc)
         if errors:
@@ -252,44 +229,39 @@ class MavenRepository:
 class MavenOrigin:
     """Tries each upstream in order; verifies artifacts against upstream checksums."""
 
-    def __init__(self, repo: MavenRepository, path: str, verify: bool) -> None:
-        self.repo = repo
+    def __init__(self, upstreams: tuple[str, ...], path: str, verify: bool) -> None:
+        self.upstreams = upstreams
         self.path = path
         self.verify = verify
 
     @asynccontextmanager
-    async def open(self, stale: Entry | None) -> AsyncIterator[Fetched]:
-        headers = {}
+    async def open(self, ctx: OriginContext, stale: Validators | None) -> AsyncIterator[Fetched]:
         # Validators are only meaningful to the upstream that issued them; with several
         # upstreams we do not know which one that was, so we ask unconditionally.
-        if len(self.repo.settings.upstreams) > 1:
-            stale = None
-        if stale is not None and stale.etag:
-            headers["If-None-Match"] = stale.etag
-        if stale is not None and stale.last_modified:
-            headers["If-Modified-Since"] = stale.last_modified
+        headers = stale.conditional_headers() if stale and len(self.upstreams) == 1 else {}
         errors: list[UpstreamError] = []
         async with AsyncExitStack() as stack:
-            found: tuple[str, httpx.Response] | None = None
-            for base in self.repo.settings.upstreams:
+            found: tuple[str, UpstreamResponse] | None = None
+            for base in self.upstreams:
+                # Each answer is opened in a stack of its own, closed at once unless used.
+                attempt = AsyncExitStack()
                 try:
-                    response = await stack.enter_async_context(
-                        self.repo.upstream.stream("GET", base + self.path, headers)
+                    response = await attempt.enter_async_context(
+                        ctx.upstream.open("GET", base + self.path, headers)
                     )
                 except UpstreamError as exc:
                     errors.append(exc)
                     continue
-                if response.status_code in NOT_FOUND_STATUSES:
-                    await response.aclose()
+                if response.status in NOT_FOUND_STATUSES:
+                    await attempt.aclose()
                     continue
-                if response.status_code not in (200, 304):
+                if response.status not in (200, 304):
                     errors.append(
-                        UpstreamUnavailable(
-                            f"{base} answered {response.status_code} for {self.path}"
-                        )
+                        UpstreamUnavailable(f"{base} answered {response.status} for {self.path}")
                     )
-                    await response.aclose()
+                    await attempt.aclose()
                     continue
+                stack.push_async_callback(attempt.aclose)
                 found = (base, response)
                 break
             if found is None:
@@ -298,17 +270,14 @@ class MavenOrigin:
                 yield Fetched(Status.NOT_FOUND, message=f"{self.path} not found in any upstream")
                 return
             base, response = found
-            validators = {
-                "etag": response.headers.get("etag"),
-                "last_modified": response.headers.get("last-modified"),
-            }
-            if response.status_code == 304:
-                yield Fetched(Status.NOT_MODIFIED, **validators)
+            validators = Validators.of(response.headers)
+            if response.status == 304:
+                yield Fetched(Status.NOT_MODIFIED, validators=validators)
                 return
             checksums: asyncio.Task[Digests] | None = None
             if self.verify:
                 # Fetched beside the body; awaited when the body is complete.
-                checksums = asyncio.ensure_future(self._upstream_checksums(base))
+                checksums = asyncio.ensure_future(self._upstream_checksums(ctx.upstream, base))
                 checksums.add_done_callback(_retrieve_exception)
                 stack.callback(checksums.cancel)
 
@@ -317,14 +286,14 @@ class MavenOrigin:
 
             yield Fetched(
                 Status.OK,
-                body=iter_body(response),
+                body=response.body(),
                 content_type=_content_type(self.path, response),
-                length=content_length(response),
+                length=response.length,
                 expected_later=expected_later,
-                **validators,
+                validators=validators,
             )
 
-    async def _upstream_checksums(self, base: str) -> Digests:
+    async def _upstream_checksums(self, upstream: UpstreamClient, base: str) -> Digests:
         """The strongest checksum the upstream publishes for the file, as Resolver uses it.
 
         Sidecars that are missing, unreadable or garbled count as absent (old
@@ -334,14 +303,12 @@ class MavenOrigin:
         async def one(extension: str, algorithm: str) -> str | None:
             url = base + self.path + extension
             try:
-                async with self.repo.upstream.stream("GET", url) as response:
-                    if response.status_code != 200:
-                        if response.status_code not in NOT_FOUND_STATUSES:
-                            log.warning(
-                                "checksum %s answered %d; ignored", url, response.status_code
-                            )
+                async with upstream.open("GET", url) as response:
+                    if response.status != 200:
+                        if response.status not in NOT_FOUND_STATUSES:
+                            log.warning("checksum %s answered %d; ignored", url, response.status)
                         return None
-                    body = await read_body(response, CHECKSUM_BODY_LIMIT_BYTES)
+                    body = await response.read(CHECKSUM_BODY_LIMIT_BYTES)
             except UpstreamError as exc:
                 log.warning("checksum %s unavailable (%s); ignored", url, exc)
                 return None
@@ -376,7 +343,7 @@ def parse_checksum(body: bytes, algorithm: str) -> str | None:
     return None
 
 
-def _content_type(path: str, response: httpx.Response) -> str:
+def _content_type(path: str, response: UpstreamResponse) -> str:
     upstream_type: str = response.headers.get("content-type", "").split(";")[0].strip()
     if upstream_type and upstream_type not in ("application/octet-stream", "binary/octet-stream"):
         return upstream_type
@@ -399,3 +366,11 @@ def _outage(path: str, errors: list[UpstreamError]) -> UpstreamError:
         status=status,
         retry_after_s=max(waits) if waits else None,
     )
+
+
+FORMAT = FormatPlugin(
+    name="maven",
+    options=MavenOptions,
+    build=MavenRepository,
+    default_repository={"name": "maven", "format": "maven"},
+)

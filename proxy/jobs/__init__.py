@@ -1,4 +1,4 @@
-"""Background jobs that run once per fleet (DESIGN §8).
+"""Background jobs that run once per fleet (docs/architecture.md, "Jobs").
 
 Every replica runs the same ``Scheduler``. A pass starts only if the job's last start
 recorded in ``job_runs`` is older than its interval (one claim per interval for the
@@ -23,7 +23,8 @@ from proxy.tasks import TaskSupervisor
 if TYPE_CHECKING:
     from proxy.blobs import BlobStore
     from proxy.cache import Cache
-    from proxy.config import Settings
+    from proxy.clock import Clock
+    from proxy.settings import Settings
 
 log = logging.getLogger("proxy.jobs")
 
@@ -97,14 +98,20 @@ def _raise_if_cancelling() -> None:
 
 
 def standard_jobs(
-    settings: Settings, catalog: Catalog, blobs: BlobStore, cache: Cache
+    settings: Settings,
+    catalog: Catalog,
+    blobs: BlobStore,
+    cache: Cache,
+    clock: Clock,
+    size_limits: dict[str, int],
 ) -> list[Job]:
+    """Reclaim, and a sweep for every repository that has a size limit (its format says)."""
     from proxy.jobs.reclaim import Reclaim
-    from proxy.jobs.sweep import BuildCacheSweep
+    from proxy.jobs.sweep import RepositorySweep
 
-    jobs = [Job("reclaim", settings.jobs.reclaim_interval_s, Reclaim(settings, catalog, blobs).run)]
-    for repo in settings.repositories:
-        if repo.format == "gradle-build-cache" and repo.max_size is not None:
-            sweep = BuildCacheSweep(repo, catalog, cache)
-            jobs.append(Job(f"sweep:{repo.name}", settings.jobs.sweep_interval_s, sweep.run))
+    reclaim = Reclaim(catalog, blobs, clock, settings.leases.retention_s)
+    jobs = [Job("reclaim", settings.jobs.reclaim_interval_s, reclaim.run)]
+    for repository, max_size in size_limits.items():
+        sweep = RepositorySweep(repository, max_size, catalog, cache)
+        jobs.append(Job(f"sweep:{repository}", settings.jobs.sweep_interval_s, sweep.run))
     return jobs

@@ -7,15 +7,14 @@ only when it is old enough that no fetch or upload can be about to record it.
 
 from __future__ import annotations
 
-import os
 import re
-import time
 
 from proxy import metrics
 from proxy.blobs import BlobStore
 from proxy.blocking import run_blocking
-from proxy.catalog import Catalog, now_ms
-from proxy.config import Settings
+from proxy.cache import delete_blob_if_orphan
+from proxy.catalog import Catalog
+from proxy.clock import Clock
 
 STALE_TEMP_AGE_S = 24 * 3600.0
 ORPHAN_BLOB_MIN_AGE_S = 3600.0
@@ -23,37 +22,22 @@ NEGATIVE_RETENTION_S = 3600.0
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-async def remove_blob_if_orphan(
-    catalog: Catalog, blobs: BlobStore, sha256: str, min_age_s: float
-) -> bool:
-    """Delete the blob if no entry points to it and it is older than ``min_age_s``.
-
-    The age guard closes the window between a writer publishing a blob and recording
-    the entry that points to it (a same-content publish refreshes the file's mtime).
-    """
-    try:
-        mtime = os.stat(blobs.path(sha256)).st_mtime
-    except FileNotFoundError:
-        return False
-    if time.time() - mtime < min_age_s:
-        return False
-    if await catalog.blob_is_referenced(sha256):
-        return False
-    return await blobs.delete(sha256)
-
-
 class Reclaim:
-    def __init__(self, settings: Settings, catalog: Catalog, blobs: BlobStore) -> None:
-        self.settings = settings
+    def __init__(
+        self, catalog: Catalog, blobs: BlobStore, clock: Clock, lease_retention_s: float
+    ) -> None:
         self.catalog = catalog
         self.blobs = blobs
+        self.clock = clock
+        self.lease_retention_s = lease_retention_s
 
     async def run(self) -> str:
-        leases = await self.catalog.purge_leases(self.settings.leases.retention_s)
+        leases = await self.catalog.purge_leases(self.lease_retention_s)
         metrics.LEASES_PURGED.inc(leases)
-        temps = await run_blocking(self.blobs.remove_stale_temps, STALE_TEMP_AGE_S)
+        now_s = self.clock.now_ms() / 1000
+        temps = await run_blocking(self.blobs.remove_stale_temps, now_s - STALE_TEMP_AGE_S)
         negatives = await self.catalog.delete_expired_negatives(
-            now_ms() - int(NEGATIVE_RETENTION_S * 1000)
+            self.clock.now_ms() - int(NEGATIVE_RETENTION_S * 1000)
         )
         orphans = await self.remove_orphans()
         return (
@@ -62,7 +46,7 @@ class Reclaim:
         )
 
     async def remove_orphans(self) -> int:
-        cutoff = time.time() - ORPHAN_BLOB_MIN_AGE_S
+        cutoff = self.clock.now_ms() / 1000 - ORPHAN_BLOB_MIN_AGE_S
 
         def candidates() -> list[str]:
             return [
@@ -73,6 +57,8 @@ class Reclaim:
 
         removed = 0
         for sha256 in await run_blocking(candidates):
-            if await remove_blob_if_orphan(self.catalog, self.blobs, sha256, ORPHAN_BLOB_MIN_AGE_S):
+            if await delete_blob_if_orphan(
+                self.catalog, self.blobs, sha256, ORPHAN_BLOB_MIN_AGE_S, self.clock
+            ):
                 removed += 1
         return removed

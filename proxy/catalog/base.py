@@ -1,0 +1,158 @@
+"""The catalog's operations, written once over named statements.
+
+``SqlCatalog`` implements every ``Catalog`` method that is one statement (or one
+statement after a dialect's prelude) by name; a backend subclass supplies the four
+ways of running a statement, plus what the databases really do differently:
+migrations, job locks and notifications. Because both backends run the same names
+with the same parameters, they cannot drift apart in meaning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.catalog import Entry, LeaseGrant, LeaseRow, Usage, entry_from_row, entry_to_row
+from proxy.catalog.queries import Queries
+from proxy.clock import Clock
+from proxy.types import Link
+
+
+class SqlCatalog:
+    backend: str
+    queries: Queries
+    # Statements run, in the claim's own write transaction, before claim_lease.
+    CLAIM_PRELUDE: tuple[str, ...] = ()
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    # -- what a backend provides ------------------------------------------------------------
+
+    async def _fetchrow(self, name: str, *args: Any) -> Any:
+        """Run a read; its first row or None."""
+        raise NotImplementedError
+
+    async def _fetch(self, name: str, *args: Any) -> list[Any]:
+        """Run a read; all its rows."""
+        raise NotImplementedError
+
+    async def _execute(self, name: str, *args: Any) -> int:
+        """Run a write in its own transaction; the number of rows it touched."""
+        raise NotImplementedError
+
+    async def _write_returning(self, name: str, *args: Any, prelude: tuple[str, ...] = ()) -> Any:
+        """Run ``prelude`` then a write with RETURNING, in one transaction; its row or None."""
+        raise NotImplementedError
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def ping(self) -> None:
+        await self._fetchrow("ping")
+
+    # -- entries -------------------------------------------------------------------------
+
+    async def get_entry(self, repository: str, key: str) -> Entry | None:
+        row = await self._fetchrow("select_entry", repository, key)
+        return entry_from_row(row) if row else None
+
+    async def put_entry(self, entry: Entry) -> None:
+        await self._execute("upsert_entry", *entry_to_row(entry))
+
+    async def refresh_entry(self, entry: Entry) -> None:
+        await self._execute(
+            "refresh_entry",
+            entry.fetched_at_ms,
+            entry.expires_at_ms,
+            entry.etag,
+            entry.last_modified,
+            entry.repository,
+            entry.key,
+            entry.sha256,
+        )
+
+    async def delete_entry(self, repository: str, key: str, sha256: str | None) -> bool:
+        return await self._execute("delete_entry", repository, key, sha256) > 0
+
+    async def touch_entries(self, accesses: Sequence[tuple[str, str, int]]) -> None:
+        if accesses:
+            batch = [{"repository": r, "key": k, "at": at} for r, k, at in accesses]
+            await self._execute("touch_entries", json.dumps(batch))
+
+    async def usage(self, repository: str) -> Usage:
+        row = await self._fetchrow("usage", repository)
+        return Usage(entries=int(row[0]), bytes=int(row[1]))
+
+    async def least_recently_used(self, repository: str, limit: int) -> list[Entry]:
+        return [
+            entry_from_row(row)
+            for row in await self._fetch("least_recently_used", repository, limit)
+        ]
+
+    async def blob_is_referenced(self, sha256: str) -> bool:
+        row = await self._fetchrow("blob_referenced", sha256)
+        return bool(row[0])
+
+    async def delete_expired_negatives(self, older_than_ms: int) -> int:
+        return await self._execute("delete_expired_negatives", older_than_ms)
+
+    # -- links ------------------------------------------------------------------------------
+
+    async def put_links(self, links: Sequence[Link]) -> None:
+        if links:
+            batch = [
+                {
+                    "repository": link.repository,
+                    "key": link.key,
+                    "url": link.url,
+                    "digests": link.digests,
+                    "size": link.size,
+                }
+                for link in links
+            ]
+            await self._execute("upsert_links", json.dumps(batch), self.clock.now_ms())
+
+    async def get_link(self, repository: str, key: str) -> Link | None:
+        row = await self._fetchrow("select_link", repository, key)
+        if row is None:
+            return None
+        return Link(row[0], row[1], row[2], json.loads(row[3]), row[4])
+
+    # -- fetch leases ------------------------------------------------------------------------
+
+    async def claim_lease(self, key: str, holder: str, ttl_s: float) -> LeaseGrant | None:
+        row = await self._write_returning(
+            "claim_lease", key, holder, float(ttl_s), prelude=self.CLAIM_PRELUDE
+        )
+        return LeaseGrant(key=key, holder=holder, fence=int(row[0])) if row else None
+
+    async def renew_lease(self, grant: LeaseGrant, ttl_s: float) -> bool:
+        touched = await self._execute(
+            "renew_lease", grant.key, grant.holder, grant.fence, float(ttl_s)
+        )
+        return touched == 1
+
+    async def release_lease(self, grant: LeaseGrant, state: str) -> bool:
+        touched = await self._execute("release_lease", grant.key, grant.holder, grant.fence, state)
+        return touched == 1
+
+    async def get_lease(self, key: str) -> LeaseRow | None:
+        row = await self._fetchrow("select_lease", key)
+        if row is None:
+            return None
+        return LeaseRow(
+            key=row[0], holder=row[1], fence=int(row[2]), state=row[3], expired=bool(row[4])
+        )
+
+    async def purge_leases(self, retention_s: float) -> int:
+        return await self._execute("purge_leases", float(retention_s))
+
+    # -- job runs ------------------------------------------------------------------------------
+
+    async def claim_job_run(self, name: str, interval_s: float, holder: str) -> int | None:
+        row = await self._write_returning("claim_job_run", name, float(interval_s), holder)
+        return int(row[0]) if row else None
+
+    async def give_back_job_run(self, name: str, run_id: int) -> None:
+        await self._execute("give_back_job_run", name, run_id)

@@ -1,0 +1,133 @@
+-- Named statements of the Postgres catalog (loaded by proxy/catalog/queries.py).
+-- Each "-- name: x" starts a statement; the same name in sqlite.sql has the same meaning
+-- and the same numbered parameters. Lease and job times use clock_timestamp(): the
+-- database's clock, read at the statement (now() would be the transaction's start).
+
+-- name: ping
+SELECT 1
+
+-- name: lock_migrations
+-- Postgres only: replicas starting together apply the schema one after another; the lock
+-- is released by the commit (SQLite gets the same from BEGIN EXCLUSIVE).
+SELECT pg_advisory_xact_lock(482181741689)
+
+-- name: create_schema_migrations
+CREATE TABLE IF NOT EXISTS schema_migrations
+    (version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL)
+
+-- name: applied_migrations
+SELECT version FROM schema_migrations
+
+-- name: record_migration
+INSERT INTO schema_migrations VALUES ($1, $2, clock_timestamp())
+
+-- name: select_entry
+SELECT repository, key, kind, sha256, size, content_type, etag, last_modified, digests::text,
+       fetched_at_ms, expires_at_ms, last_access_ms
+FROM entries WHERE repository = $1 AND key = $2
+
+-- name: upsert_entry
+INSERT INTO entries (repository, key, kind, sha256, size, content_type, etag, last_modified,
+                     digests, fetched_at_ms, expires_at_ms, last_access_ms)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12)
+ON CONFLICT (repository, key) DO UPDATE SET
+    kind = EXCLUDED.kind, sha256 = EXCLUDED.sha256, size = EXCLUDED.size,
+    content_type = EXCLUDED.content_type, etag = EXCLUDED.etag,
+    last_modified = EXCLUDED.last_modified, digests = EXCLUDED.digests,
+    fetched_at_ms = EXCLUDED.fetched_at_ms, expires_at_ms = EXCLUDED.expires_at_ms,
+    last_access_ms = greatest(entries.last_access_ms, EXCLUDED.last_access_ms)
+
+-- name: refresh_entry
+UPDATE entries SET fetched_at_ms = $1, expires_at_ms = $2, etag = $3, last_modified = $4
+WHERE repository = $5 AND key = $6 AND sha256 IS NOT DISTINCT FROM $7
+
+-- name: delete_entry
+-- Only while the entry still points at $3 (any blob when $3 is NULL).
+DELETE FROM entries WHERE repository = $1 AND key = $2 AND ($3::text IS NULL OR sha256 = $3)
+
+-- name: touch_entries
+-- $1: a JSON array of {"repository", "key", "at"}; last access never moves backwards.
+UPDATE entries AS e SET last_access_ms = greatest(e.last_access_ms, t.at)
+FROM jsonb_to_recordset($1::jsonb) AS t(repository text, key text, at bigint)
+WHERE e.repository = t.repository AND e.key = t.key
+
+-- name: usage
+SELECT count(*), coalesce(sum(size), 0) FROM entries WHERE repository = $1
+
+-- name: least_recently_used
+SELECT repository, key, kind, sha256, size, content_type, etag, last_modified, digests::text,
+       fetched_at_ms, expires_at_ms, last_access_ms
+FROM entries WHERE repository = $1 AND kind <> 'negative'
+ORDER BY last_access_ms LIMIT $2
+
+-- name: blob_referenced
+SELECT EXISTS (SELECT 1 FROM entries WHERE sha256 = $1)
+
+-- name: delete_expired_negatives
+DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < $1
+
+-- name: upsert_links
+-- $1: a JSON array of {"repository", "key", "url", "digests" (object), "size"}.
+INSERT INTO links (repository, key, url, digests, size, recorded_at_ms)
+SELECT t.repository, t.key, t.url, coalesce(t.digests, '{}'), t.size, $2
+FROM jsonb_to_recordset($1::jsonb) AS t(repository text, key text, url text, digests jsonb, size bigint)
+ON CONFLICT (repository, key) DO UPDATE SET
+    url = EXCLUDED.url, digests = EXCLUDED.digests, size = EXCLUDED.size,
+    recorded_at_ms = EXCLUDED.recorded_at_ms
+
+-- name: select_link
+SELECT repository, key, url, digests::text, size FROM links WHERE repository = $1 AND key = $2
+
+-- name: claim_lease
+-- ($1 key, $2 holder, $3 ttl seconds). Wins if the row is absent, expired, not
+-- 'fetching', or ours; the fence comes from a sequence, so it grows on every claim and
+-- stays monotonic after purges. acquired_at and expires_at come from the proposed row,
+-- evaluated before any wait for the row lock, so a claim that waited cannot break the CHECK.
+INSERT INTO fetch_leases AS l (key, holder, fence, state, acquired_at, renewed_at, expires_at)
+VALUES ($1, $2, nextval('fetch_lease_fence'), 'fetching',
+        clock_timestamp(), clock_timestamp(), clock_timestamp() + make_interval(secs => $3))
+ON CONFLICT (key) DO UPDATE SET
+    holder = EXCLUDED.holder, fence = EXCLUDED.fence, state = 'fetching',
+    acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
+    expires_at = EXCLUDED.expires_at
+WHERE l.holder = EXCLUDED.holder OR l.state <> 'fetching' OR l.expires_at <= clock_timestamp()
+RETURNING fence
+
+-- name: renew_lease
+-- ($1 key, $2 holder, $3 fence, $4 ttl seconds): only our own live mandate.
+UPDATE fetch_leases
+SET renewed_at = clock_timestamp(), expires_at = clock_timestamp() + make_interval(secs => $4)
+WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
+
+-- name: release_lease
+-- ($1 key, $2 holder, $3 fence, $4 final state): expires the row in place, keeps its fence.
+UPDATE fetch_leases SET state = $4, expires_at = greatest(clock_timestamp(), acquired_at)
+WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
+
+-- name: select_lease
+SELECT key, holder, fence, state, expires_at <= clock_timestamp() FROM fetch_leases WHERE key = $1
+
+-- name: purge_leases
+DELETE FROM fetch_leases WHERE expires_at < clock_timestamp() - make_interval(secs => $1)
+
+-- name: try_job_lock
+-- Postgres only: a session lock on the connection held for the pass; it dies with the
+-- connection if the process dies (SQLite gets the same from an flock on a file).
+SELECT pg_try_advisory_lock(hashtext('proxy-job:' || $1))
+
+-- name: unlock_job
+SELECT pg_advisory_unlock(hashtext('proxy-job:' || $1))
+
+-- name: claim_job_run
+-- ($1 name, $2 interval seconds, $3 holder): a start, if the last one is older than the interval.
+INSERT INTO job_runs (name, run_id, started_at, previous_started_at, holder)
+VALUES ($1, 1, clock_timestamp(), NULL, $3)
+ON CONFLICT (name) DO UPDATE SET
+    run_id = job_runs.run_id + 1, previous_started_at = job_runs.started_at,
+    started_at = EXCLUDED.started_at, holder = EXCLUDED.holder
+WHERE job_runs.started_at <= clock_timestamp() - make_interval(secs => $2)
+RETURNING run_id
+
+-- name: give_back_job_run
+UPDATE job_runs SET started_at = coalesce(previous_started_at, '-infinity')
+WHERE name = $1 AND run_id = $2

@@ -1,0 +1,378 @@
+"""The format contract: everything a format module may use, and what it must provide.
+
+A format (``proxy/formats/<name>.py``) imports this module and nothing else of the
+proxy. It provides a ``FORMAT = FormatPlugin(...)`` that declares its settings (a frozen
+dataclass of ``option(...)`` fields) and builds one ``Adapter`` per repository from a
+``FormatContext``. The adapter turns HTTP requests into calls on its ``RepositoryCache``;
+to fetch a key it describes it with a ``FetchSpec`` whose ``Origin`` knows how to ask
+the upstream. The engine decides whether to fetch (freshness, single flight, leases),
+and stores, verifies and serves the bytes; an origin only talks to the upstream,
+through the small ``OriginContext`` it is handed. See docs/architecture.md.
+
+The engine never imports a format: ``proxy/formats/__init__.py`` maps each
+``format = "..."`` name to its module, one line per format.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, Protocol, TypeVar
+
+from proxy import responses as _responses
+from proxy.exceptions import (
+    BadRequest,
+    ClientError,
+    DigestMismatch,
+    Forbidden,
+    NotConfigured,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from proxy.options import (
+    Choice,
+    Duration,
+    Flag,
+    Globs,
+    Hosts,
+    Integer,
+    OptionalSize,
+    OptionType,
+    Reporter,
+    Size,
+    Text,
+    Urls,
+    option,
+)
+from proxy.settings import RepositorySettings
+from proxy.types import Digests, Kind, Link, Receive, Scope, Send, Validators
+
+__all__ = [
+    "Adapter",
+    "BadRequest",
+    "Choice",
+    "ClientError",
+    "DigestMismatch",
+    "Digests",
+    "Duration",
+    "FetchSpec",
+    "Fetched",
+    "Flag",
+    "Forbidden",
+    "FormatContext",
+    "FormatPlugin",
+    "Globs",
+    "Hosts",
+    "Integer",
+    "Kind",
+    "Link",
+    "LinkStore",
+    "NotConfigured",
+    "NotFound",
+    "OptionType",
+    "OptionalSize",
+    "Origin",
+    "OriginContext",
+    "PayloadTooLarge",
+    "Reporter",
+    "RepositoryCache",
+    "RepositorySettings",
+    "Request",
+    "Response",
+    "Size",
+    "Status",
+    "Text",
+    "Unauthorized",
+    "UpstreamClient",
+    "UpstreamError",
+    "UpstreamResponse",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+    "Urls",
+    "Validators",
+    "WarmResult",
+    "empty_response",
+    "error_response",
+    "inline_response",
+    "option",
+    "redirect",
+]
+
+OptionsT = TypeVar("OptionsT")
+
+Response = Callable[[Scope, Receive, Send], Awaitable[None]]
+"""What an adapter answers with: an ASGI callable (build one with the helpers below)."""
+
+
+# -- requests ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What an adapter knows of a request; ``path`` is decoded and validated."""
+
+    method: str
+    repository: str
+    path: str  # after "/{repository}/", e.g. "simple/requests/"
+    headers: Mapping[str, str]  # lower-case names
+    base_path: str  # "/{repository}/", under the app's root path
+    receive: Receive = field(repr=False)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The request body as it arrives; ``BadRequest`` if the client leaves first."""
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise BadRequest("the client went away before the body was complete")
+            chunk = message.get("body", b"")
+            if chunk:
+                yield chunk
+            if not message.get("more_body", False):
+                return
+
+
+def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    """A plain-text answer with a one-line reason (never cacheable)."""
+    return _responses.error(status, message, headers)
+
+
+def redirect(location: str, status: int = 301) -> Response:
+    return _responses.BodyResponse(
+        status, [(b"location", location.encode()), (b"content-length", b"0")], b""
+    )
+
+
+def empty_response(status: int, headers: Mapping[str, str] | None = None) -> Response:
+    """A body-less answer (201 after an upload, 200 to a HEAD probe)."""
+    encoded = [(k.lower().encode(), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    if "content-length" not in {k.lower() for k in (headers or {})}:
+        encoded.append((b"content-length", b"0"))
+    return _responses.BodyResponse(status, encoded, b"")
+
+
+def inline_response(request: Request, body: bytes, content_type: str) -> Response:
+    """A small computed body (e.g. a checksum file), with ETag/304 and HEAD."""
+    return _responses.inline(
+        request.headers, request.method, body, content_type, {}, request.repository
+    )
+
+
+# -- upstreams ----------------------------------------------------------------------------
+
+
+class UpstreamResponse(Protocol):
+    """An upstream answer whose body has not been read yet."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Case-insensitive; values that are not valid in HTTP are already dropped."""
+        ...
+
+    @property
+    def url(self) -> str:
+        """The final URL, after redirects."""
+        ...
+
+    @property
+    def length(self) -> int | None:
+        """The body size, when the upstream stated it for the bytes we will read."""
+        ...
+
+    def body(self) -> AsyncIterator[bytes]:
+        """The body; raises ``UpstreamError`` if it breaks off, stalls or lies about its size."""
+        ...
+
+    async def read(self, limit: int) -> bytes:
+        """The whole body; ``UpstreamError`` past ``limit`` bytes."""
+        ...
+
+
+class UpstreamClient(Protocol):
+    def open(
+        self, method: str, url: str, headers: Mapping[str, str] | None = None
+    ) -> AbstractAsyncContextManager[UpstreamResponse]:
+        """Send ``method url`` (retried on connection errors and 429/5xx).
+
+        Raises ``UpstreamError`` for outages; any other status is returned as is.
+        """
+        ...
+
+
+class LinkStore(Protocol):
+    """The upstream URLs a repository's index pages listed (one repository's view)."""
+
+    async def record(self, links: Iterable[Link]) -> None: ...
+
+    async def get(self, key: str) -> Link | None: ...
+
+
+# -- fetching -------------------------------------------------------------------------------
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    NOT_MODIFIED = "not_modified"
+    NOT_FOUND = "not_found"
+
+
+@dataclass
+class Fetched:
+    """What an origin got from upstream: a body to store, a 304, or a confirmed miss."""
+
+    status: Status
+    body: AsyncIterator[bytes] | None = None
+    content_type: str | None = None
+    length: int | None = None  # the body size, when known before reading it
+    validators: Validators = field(default_factory=Validators)  # for later conditional GETs
+    expected: Digests = field(default_factory=dict)  # digests the body must match
+    # Digests learnt while the body downloads (e.g. Maven's .sha1 files), awaited at the
+    # end; raising UpstreamError there fails the fetch and stores nothing.
+    expected_later: Callable[[], Awaitable[Digests]] | None = None
+    message: str = ""  # for NOT_FOUND: what was missing, for the client
+
+
+@dataclass(frozen=True)
+class WarmResult:
+    """What getting a key through the cache did, without serving it."""
+
+    outcome: Literal["cached", "fetched", "missing"]
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class OriginContext:
+    """All an origin may use while it fetches one key.
+
+    ``get`` fetches *another* key through the cache (with its own lease). Use it only for
+    keys that never need the key being fetched (a file may need its index page; an index
+    page never needs a file), so two fetches can never wait on each other.
+    """
+
+    upstream: UpstreamClient
+    links: LinkStore
+    get: Callable[[FetchSpec], Awaitable[WarmResult]]
+
+
+class Origin(Protocol):
+    """How to get one key from upstream. It talks to the upstream only, never to storage."""
+
+    def open(
+        self, ctx: OriginContext, stale: Validators | None
+    ) -> AbstractAsyncContextManager[Fetched]:
+        """Ask the upstream (conditionally, if ``stale`` has validators).
+
+        Raises ``UpstreamError`` for outages; a confirmed miss is ``Status.NOT_FOUND``.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class FetchSpec:
+    """One key of a repository and how to get it."""
+
+    key: str
+    kind: Kind  # IMMUTABLE or METADATA
+    origin: Origin
+    ttl_s: float | None = None  # METADATA: seconds fresh; 0 = never stored
+    negative_ttl_s: float = 0.0
+    digests: tuple[str, ...] = ()  # extra digests to compute and keep (e.g. sha1, md5)
+    stream: bool = True  # may clients read the body while it downloads?
+
+    @property
+    def storable(self) -> bool:
+        return self.kind is not Kind.METADATA or bool(self.ttl_s)
+
+    def expires_at_ms(self, fetched_at_ms: int) -> int | None:
+        if self.kind is Kind.METADATA and self.ttl_s is not None:
+            return fetched_at_ms + int(self.ttl_s * 1000)
+        return None
+
+
+class RepositoryCache(Protocol):
+    """The engine, as one repository's adapter sees it."""
+
+    async def respond(
+        self,
+        spec: FetchSpec,
+        request: Request,
+        headers: Mapping[str, str] | None = None,
+        checksum_headers: bool = False,
+    ) -> Response:
+        """Serve ``spec.key``: from the cache if fresh, else through the miss path.
+
+        ``headers`` are added to the answer (they win over the stored Content-Type);
+        ``checksum_headers`` adds ``X-Checksum-*`` computed from the bytes served.
+        """
+        ...
+
+    async def is_fresh(self, key: str) -> bool:
+        """Is ``key`` cached and fresh (so serving it needs no upstream)?"""
+        ...
+
+    async def served_digests(self, spec: FetchSpec) -> Digests:
+        """The digests of the bytes this repository serves for ``spec.key``.
+
+        A stored copy answers even if expired (its checksum must match what clients
+        have); only a missing key is fetched. ``NotFound`` for a confirmed miss.
+        """
+        ...
+
+    async def warm(self, spec: FetchSpec) -> WarmResult:
+        """Make sure ``spec.key`` is cached and fresh, sharing any fetch in progress."""
+        ...
+
+    async def store_upload(
+        self, key: str, body: AsyncIterator[bytes], max_size: int, content_type: str | None
+    ) -> None:
+        """Store a client's upload; durable on return. ``PayloadTooLarge`` past ``max_size``."""
+        ...
+
+    async def serve_upload(self, key: str, request: Request, content_type: str) -> Response:
+        """Serve a stored upload (a GET counts as a use, a HEAD does not); ``NotFound``."""
+        ...
+
+    def count_upload(self, result: str) -> None:
+        """Count an upload refused before it reached ``store_upload`` (e.g. "unauthorized")."""
+        ...
+
+
+# -- the plugin -------------------------------------------------------------------------------
+
+
+class Adapter(Protocol):
+    async def handle(self, request: Request) -> Response: ...
+
+
+@dataclass(frozen=True)
+class FormatContext:
+    """What the engine hands a format when it builds one repository's adapter."""
+
+    cache: RepositoryCache
+    upstream: UpstreamClient
+    links: LinkStore
+
+
+@dataclass(frozen=True)
+class FormatPlugin(Generic[OptionsT]):
+    """A format, as the registry knows it."""
+
+    name: str  # the value of `format = "..."`
+    options: type[OptionsT]  # a frozen dataclass of option(...) fields
+    build: Callable[[RepositorySettings[OptionsT], FormatContext], Adapter]
+    # Served when the config has no [[repositories]] at all (None: not served by default).
+    default_repository: Mapping[str, Any] | None = None
+    # Checks across options: (key, message) pairs, key relative to the repository.
+    validate: Callable[[OptionsT], Iterable[tuple[str, str]]] | None = None
+    # Start-up warnings for an operator: (repository, listen host) -> messages.
+    warnings: Callable[[RepositorySettings[OptionsT], str], Iterable[str]] | None = None
+    # A total the engine keeps this repository under (least recently used go first).
+    max_size: Callable[[OptionsT], int | None] | None = None

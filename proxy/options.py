@@ -1,0 +1,288 @@
+"""The vocabulary a format uses to declare its repository settings.
+
+A format's settings are a frozen dataclass whose fields are made with ``option(...)``.
+The config layer (``config.py``) walks those fields generically: it reads each TOML key,
+expands ``${VAR}``, parses the value with the field's ``OptionType`` and reports every
+bad value as ``repositories.<name>.<key>: <message>``; ``check-config`` prints them back
+with ``render``. A format never parses TOML itself.
+
+    @dataclass(frozen=True)
+    class RawOptions:
+        upstream: tuple[str, ...] = option(Urls(), ())
+        metadata_ttl_s: float = option(Duration(), 600.0, key="metadata_ttl")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import ipaddress
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+from proxy.units import format_duration, format_size, parse_duration, parse_size
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Reporter(Protocol):
+    """What an option type may ask of the config layer while it parses a value."""
+
+    def error(self, key: str, message: str) -> None: ...
+
+    def expand(self, value: str, key: str) -> str:
+        """``${VAR}`` and ``$$`` expanded from the environment (an error if VAR is unset)."""
+        ...
+
+
+class OptionType(Protocol[T]):
+    def parse(self, value: object, key: str, report: Reporter) -> T | None:
+        """The parsed value, or None after reporting why it is not valid."""
+        ...
+
+    def render(self, value: T) -> str:
+        """``value`` as a TOML literal, for ``check-config``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Option(Generic[T]):
+    kind: OptionType[T]
+    key: str  # the TOML key
+
+
+def option(kind: OptionType[T], default: T, *, key: str | None = None) -> T:
+    """A dataclass field that the config layer fills from TOML key ``key`` (default: the
+    field's name)."""
+    metadata = {"option": (kind, key)}
+    if isinstance(default, list | dict | set):
+        raise TypeError("option defaults must be immutable (use a tuple)")
+    field: T = dataclasses.field(default=default, metadata=metadata)
+    return field
+
+
+def options_of(cls: type[Any]) -> Iterator[tuple[str, Option[Any], Any]]:
+    """``(field name, option, default)`` for every option field of a settings class."""
+    for f in dataclasses.fields(cls):
+        declared = f.metadata.get("option")
+        if declared is None:
+            continue
+        kind, key = declared
+        yield f.name, Option(kind, key or f.name), f.default
+
+
+# -- option types ----------------------------------------------------------------------
+
+
+def _expanded(value: object, key: str, report: Reporter) -> object:
+    return report.expand(value, key) if isinstance(value, str) else value
+
+
+class Duration:
+    """``"250ms"``, ``"15s"``, ``"10m"``, ``"24h"``, ``"2d"``, ``"0"`` -> seconds."""
+
+    def __init__(self, positive: bool = False) -> None:
+        self.positive = positive
+
+    def parse(self, value: object, key: str, report: Reporter) -> float | None:
+        raw = value
+        try:
+            seconds = parse_duration(_expanded(value, key, report))
+        except ValueError as exc:
+            report.error(key, str(exc))
+            return None
+        if self.positive and seconds <= 0:
+            report.error(key, f"{raw!r} must be more than 0")
+            return None
+        return seconds
+
+    def render(self, value: float) -> str:
+        return f'"{format_duration(value)}"'
+
+
+class Size:
+    """``"512MiB"``, ``"10GB"``, ``"100MB"`` or a number of bytes; more than 0."""
+
+    def parse(self, value: object, key: str, report: Reporter) -> int | None:
+        try:
+            size = parse_size(_expanded(value, key, report))
+        except ValueError as exc:
+            report.error(key, str(exc))
+            return None
+        if size <= 0:
+            report.error(key, f"{value!r} must be more than 0 bytes")
+            return None
+        return size
+
+    def render(self, value: int) -> str:
+        return f'"{format_size(value)}"'
+
+
+class OptionalSize(Size):
+    """A size that may be left out (None): e.g. a limit that is off unless set."""
+
+    def render(self, value: int | None) -> str:
+        return '""' if value is None else super().render(value)
+
+
+class Text:
+    def parse(self, value: object, key: str, report: Reporter) -> str | None:
+        if not isinstance(value, str):
+            report.error(key, f"{value!r} is not a string")
+            return None
+        return report.expand(value, key)
+
+    def render(self, value: str) -> str:
+        return _quote(value)
+
+
+class Choice:
+    def __init__(self, *choices: str) -> None:
+        self.choices = choices
+
+    def parse(self, value: object, key: str, report: Reporter) -> str | None:
+        text = Text().parse(value, key, report)
+        if text is None:
+            return None
+        if text not in self.choices:
+            report.error(key, f"{text!r} is not one of {', '.join(self.choices)}")
+            return None
+        return text
+
+    def render(self, value: str) -> str:
+        return _quote(value)
+
+
+class Flag:
+    def parse(self, value: object, key: str, report: Reporter) -> bool | None:
+        if not isinstance(value, bool):
+            report.error(key, f"{value!r} is not true or false")
+            return None
+        return value
+
+    def render(self, value: bool) -> str:
+        return "true" if value else "false"
+
+
+class Integer:
+    def __init__(self, minimum: int = 0, maximum: int | None = None) -> None:
+        self.minimum = minimum
+        self.maximum = maximum
+
+    def parse(self, value: object, key: str, report: Reporter) -> int | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            report.error(key, f"{value!r} is not an integer")
+            return None
+        if value < self.minimum or (self.maximum is not None and value > self.maximum):
+            bound = (
+                f"between {self.minimum} and {self.maximum}"
+                if self.maximum is not None
+                else f">= {self.minimum}"
+            )
+            report.error(key, f"{value} is out of range; use a number {bound}")
+            return None
+        return value
+
+    def render(self, value: int) -> str:
+        return str(value)
+
+
+class Urls:
+    """One http(s) URL or a list of them, tried in order; each ends in ``/``.
+
+    The config layer also takes them from ``PROXY_UPSTREAM_<NAME>`` (comma-separated).
+    """
+
+    takes_env_override = True
+
+    def __init__(self, max_count: int | None = None) -> None:
+        self.max_count = max_count
+
+    def parse(self, value: object, key: str, report: Reporter) -> tuple[str, ...] | None:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            report.error(key, "must be a URL or a non-empty list of URLs")
+            return None
+        if self.max_count is not None and len(value) > self.max_count:
+            report.error(key, f"takes at most {self.max_count} URL(s), not {len(value)}")
+            return None
+        urls: list[str] = []
+        for i, item in enumerate(value):
+            item_key = key if len(value) == 1 else f"{key}[{i}]"
+            if not isinstance(item, str):
+                report.error(item_key, f"{item!r} is not a URL")
+                continue
+            item = report.expand(item, item_key)
+            try:
+                parts = urlsplit(item)
+                parts.port  # noqa: B018 - raises ValueError for a bad port
+            except ValueError:
+                report.error(item_key, f"{item!r} is not a valid URL")
+                continue
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                report.error(item_key, f"{item!r} is not an http(s) URL")
+                continue
+            if parts.query or parts.fragment:
+                report.error(item_key, f"{item!r} must not have a query or fragment")
+                continue
+            urls.append(item if item.endswith("/") else item + "/")
+        return tuple(urls) if len(urls) == len(value) else None
+
+    def render(self, value: tuple[str, ...]) -> str:
+        return "[" + ", ".join(_quote(u) for u in value) + "]"
+
+
+class Globs:
+    """A list of shell-style path patterns (``*``, ``?``, ``[...]``), e.g. ``"*/latest/*"``."""
+
+    def parse(self, value: object, key: str, report: Reporter) -> tuple[str, ...] | None:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            report.error(key, 'must be a list of path patterns, e.g. ["*.json", "*/latest/*"]')
+            return None
+        patterns = tuple(report.expand(v, key) for v in value)
+        for pattern in patterns:
+            try:
+                re.compile(fnmatch.translate(pattern))
+            except re.error as exc:
+                report.error(key, f"{pattern!r} is not a valid pattern ({exc})")
+                return None
+        return patterns
+
+    def render(self, value: tuple[str, ...]) -> str:
+        return "[" + ", ".join(_quote(p) for p in value) + "]"
+
+
+class Hosts:
+    """Host names, IP addresses or networks (CIDR), e.g. ``["files.internal", "10.1.0.0/16"]``."""
+
+    _NAME_RE = re.compile(r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+    def parse(self, value: object, key: str, report: Reporter) -> tuple[str, ...] | None:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            report.error(key, 'must be a list of host names or networks, e.g. ["10.1.0.0/16"]')
+            return None
+        hosts = []
+        for item in value:
+            item = report.expand(item, key).strip().lower()
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                if not self._NAME_RE.match(item):
+                    report.error(key, f"{item!r} is not a host name, address or network")
+                    return None
+            hosts.append(item)
+        return tuple(hosts)
+
+    def render(self, value: tuple[str, ...]) -> str:
+        return "[" + ", ".join(_quote(h) for h in value) + "]"
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

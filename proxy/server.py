@@ -1,0 +1,221 @@
+"""Running the app: one serving process, or a supervisor with N worker processes.
+
+We own the process's signals rather than rely on how uvicorn installs its handlers
+(docs/architecture.md, "Clean shutdown"). uvicorn's server runs in a thread of its own:
+Python delivers signals to the main thread only, so uvicorn installs none there. The
+main thread catches SIGTERM/SIGINT, starts the app's own shutdown at once through
+``ShutdownSignal`` (fetches cancelled, leases released: another replica takes over in
+milliseconds), then asks the server to drain and stop through ``should_exit``, the
+switch uvicorn documents for stopping a server it did not start from the command line.
+
+With ``--workers N`` the supervisor binds the socket once, starts N spawned worker
+processes that share it, forwards signals to them and restarts one that dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+from proxy.logs import configure_logging
+from proxy.settings import Settings
+
+log = logging.getLogger("proxy.server")
+
+GRACEFUL_SHUTDOWN_S = 10  # in-flight responses get this long to finish on SIGTERM
+WORKER_STOP_TIMEOUT_S = GRACEFUL_SHUTDOWN_S + 20
+WORKER_RESTART_DELAY_S = 1.0
+PARENT_CHECK_INTERVAL_S = 0.5
+LISTEN_BACKLOG = 2048
+_METRICS_FILE_RE = re.compile(r"^[a-z_]+_(\d+)\.db$")  # prometheus_client's per-pid files
+
+
+class BindError(Exception):
+    """The listen address cannot be bound (in use, not ours, bad host)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"server.listen: cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(settings: Settings, workers: int, access_log: bool, log_level: str) -> int:
+    """Serve until SIGTERM/SIGINT; the process's exit status."""
+    sock = bind(settings.host, settings.port)
+    if workers == 1:
+        return run_process(settings, sock, access_log, log_level)
+    return supervise(settings, sock, workers, access_log, log_level)
+
+
+def run_process(
+    settings: Settings,
+    sock: socket.socket,
+    access_log: bool,
+    log_level: str,
+    parent_pid: int | None = None,
+) -> int:
+    """Serve on ``sock`` in this process until a signal (or the parent's death)."""
+    import uvicorn
+
+    from proxy.app import ShutdownSignal, create_app
+
+    shutdown = ShutdownSignal()
+    config = uvicorn.Config(
+        create_app(settings, shutdown=shutdown),
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=access_log,
+        log_config=None,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if server.should_exit and signum == signal.SIGINT:
+            server.force_exit = True  # a second Ctrl+C: stop waiting for connections
+        shutdown.request()
+        server.should_exit = True
+
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="http-server", daemon=True
+    )
+    with _handling_signals(stop):
+        thread.start()
+        while thread.is_alive():
+            thread.join(PARENT_CHECK_INTERVAL_S)
+            if parent_pid is not None and os.getppid() != parent_pid and not server.should_exit:
+                log.warning("the supervisor is gone; stopping")
+                stop(signal.SIGTERM, None)
+    return 0 if server.started else 1
+
+
+def supervise(
+    settings: Settings, sock: socket.socket, workers: int, access_log: bool, log_level: str
+) -> int:
+    """Run ``workers`` processes on one socket; forward signals; replace dead workers."""
+    metrics_dir, owned = _prepare_metrics_dir()
+    context = multiprocessing.get_context("spawn")
+    args = (settings, sock, access_log, log_level, os.getpid())
+
+    def start() -> multiprocessing.process.BaseProcess:
+        process = context.Process(target=_worker_main, args=args, name="proxy-worker")
+        process.start()
+        return process
+
+    processes = [start() for _ in range(workers)]
+    stopping = threading.Event()
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    try:
+        with _handling_signals(stop):
+            while not stopping.is_set():
+                for i, process in enumerate(processes):
+                    if process.is_alive() or stopping.is_set():
+                        continue
+                    log.error(
+                        "worker %s exited with status %s; starting another",
+                        process.pid,
+                        process.exitcode,
+                    )
+                    _forget_worker_metrics(process.pid)
+                    time.sleep(WORKER_RESTART_DELAY_S)
+                    if not stopping.is_set():
+                        processes[i] = start()
+                stopping.wait(PARENT_CHECK_INTERVAL_S)
+            deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
+            for process in processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+                if process.is_alive():
+                    log.error("worker %s did not stop in time; killing it", process.pid)
+                    process.kill()
+                    process.join(5)
+    finally:
+        sock.close()
+        if owned:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0
+
+
+def _worker_main(
+    settings: Settings, sock: socket.socket, access_log: bool, log_level: str, parent_pid: int
+) -> None:
+    configure_logging(log_level)
+    raise SystemExit(run_process(settings, sock, access_log, log_level, parent_pid))
+
+
+@contextlib.contextmanager
+def _handling_signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, handler) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _prepare_metrics_dir() -> tuple[str, bool]:
+    """The folder where workers' metrics meet; ``(path, created by us)``.
+
+    An operator's own ``PROMETHEUS_MULTIPROC_DIR`` is used as it is: only the files of
+    worker processes that no longer run are removed from it, never anything else.
+    """
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not given:
+        path = tempfile.mkdtemp(prefix="proxy-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        return path, True
+    os.makedirs(given, exist_ok=True)
+    for name in os.listdir(given):
+        match = _METRICS_FILE_RE.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(given, name))
+    return given, False
+
+
+def _forget_worker_metrics(pid: int | None) -> None:
+    if pid is None:
+        return
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

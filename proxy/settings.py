@@ -1,0 +1,154 @@
+"""The proxy's settings as frozen dataclasses, with every default in one place.
+
+``config.load`` builds them (from TOML, the environment and the embedded defaults) and
+validates every value once; nothing else parses configuration. A repository's own
+settings are its format's options dataclass (``RepositorySettings.options``), declared
+by the format module itself (docs/architecture.md, "Adding a format").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
+
+from proxy.options import options_of
+from proxy.units import format_duration
+
+DEFAULT_LISTEN = "127.0.0.1:8080"
+DEFAULT_STORAGE_PATH = "./data"
+DEFAULT_WORKERS = 1
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_RETRIES = 2
+DEFAULT_MAX_CONNECTIONS = 100
+DEFAULT_LEASE_TTL_S = 15.0
+DEFAULT_LEASE_POLL_INTERVAL_S = 0.25
+DEFAULT_LEASE_RETENTION_S = 24 * 3600.0
+DEFAULT_RECLAIM_INTERVAL_S = 3600.0
+DEFAULT_SWEEP_INTERVAL_S = 300.0
+
+OptionsT = TypeVar("OptionsT")
+
+
+@dataclass(frozen=True)
+class RepositorySettings(Generic[OptionsT]):
+    name: str
+    format: str
+    options: OptionsT  # the format's own settings dataclass
+
+    @property
+    def upstreams(self) -> tuple[str, ...]:
+        upstreams: tuple[str, ...] = getattr(self.options, "upstream", ())
+        return upstreams
+
+    @property
+    def is_proxy(self) -> bool:
+        """Does this repository fetch from upstreams (rather than store uploads)?"""
+        return hasattr(self.options, "upstream")
+
+    @property
+    def upstream_setting(self) -> str:
+        """What an operator sets to give this repository an upstream (for messages)."""
+        env_var = upstream_env_var(self.name)
+        return f"repositories.{self.name}.upstream (or the environment variable {env_var})"
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    retries: int = DEFAULT_RETRIES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    ttl_s: float = DEFAULT_LEASE_TTL_S
+    poll_interval_s: float = DEFAULT_LEASE_POLL_INTERVAL_S
+    retention_s: float = DEFAULT_LEASE_RETENTION_S
+    # LISTEN/NOTIFY wake-ups (Postgres). Turn off behind a pooler that cannot LISTEN
+    # (e.g. PgBouncer in transaction mode); waiters then rely on polling alone.
+    notify: bool = True
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    reclaim_interval_s: float = DEFAULT_RECLAIM_INTERVAL_S
+    sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str
+    port: int
+    workers: int
+    database_url: str
+    storage_path: Path
+    upstream: UpstreamSettings
+    leases: LeaseSettings
+    jobs: JobSettings
+    repositories: tuple[RepositorySettings[Any], ...]
+    source: str = "embedded defaults"
+
+    def repository(self, name: str) -> RepositorySettings[Any] | None:
+        for repo in self.repositories:
+            if repo.name == name:
+                return repo
+        return None
+
+    def describe(self) -> str:
+        """The effective settings as TOML (passwords hidden), for ``check-config``."""
+        lines = [
+            f"# effective settings from {self.source}",
+            "[server]",
+            f'listen = "{self.host}:{self.port}"',
+            f"workers = {self.workers}",
+            "[database]",
+            f'url = "{hide_password(self.database_url)}"',
+            "[storage]",
+            f'path = "{self.storage_path}"',
+            "[upstream]",
+            f'connect_timeout = "{format_duration(self.upstream.connect_timeout_s)}"',
+            f'read_timeout = "{format_duration(self.upstream.read_timeout_s)}"',
+            f"retries = {self.upstream.retries}",
+            f"max_connections = {self.upstream.max_connections}",
+            "[leases]",
+            f'ttl = "{format_duration(self.leases.ttl_s)}"',
+            f'poll_interval = "{format_duration(self.leases.poll_interval_s)}"',
+            f'retention = "{format_duration(self.leases.retention_s)}"',
+            f"notify = {'true' if self.leases.notify else 'false'}",
+            "[jobs]",
+            f'reclaim_interval = "{format_duration(self.jobs.reclaim_interval_s)}"',
+            f'sweep_interval = "{format_duration(self.jobs.sweep_interval_s)}"',
+        ]
+        for repo in self.repositories:
+            lines += ["", "[[repositories]]", f'name = "{repo.name}"', f'format = "{repo.format}"']
+            for field_name, declared, _default in options_of(type(repo.options)):
+                value = getattr(repo.options, field_name)
+                if declared.key == "upstream" and not value:
+                    lines.append(f"# upstream is not set: set {repo.upstream_setting}")
+                elif value is not None:
+                    for line in _render(declared.key, declared.kind.render(value)):
+                        lines.append(line)
+        return "\n".join(lines) + "\n"
+
+
+def _render(key: str, rendered: str) -> list[str]:
+    # Tables (e.g. build-cache users) render as several "key.sub = ..." lines, or none.
+    if not rendered or rendered.startswith(f"{key}."):
+        return rendered.splitlines()
+    return [f"{key} = {rendered}"]
+
+
+def upstream_env_var(repo_name: str) -> str:
+    return "PROXY_UPSTREAM_" + re.sub(r"[^A-Za-z0-9]", "_", repo_name).upper()
+
+
+def hide_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@", 1)
+    return url
