@@ -8,8 +8,6 @@ hot path, and a small blob is answered from memory in one ``send`` with no threa
 from __future__ import annotations
 
 import asyncio
-import email.utils
-import functools
 import hashlib
 import os
 from collections import OrderedDict
@@ -19,6 +17,15 @@ from proxy import metrics
 from proxy.blocking import run_blocking
 from proxy.catalog import Entry
 from proxy.download import Download
+from proxy.http_semantics import (
+    etag_of,
+    http_date,
+    if_range_holds,
+    matches_etag,
+    modified_after,
+    not_modified_since,
+    parse_range,
+)
 from proxy.types import Receive, Scope, Send
 
 HOT_MAX_BLOB_BYTES = 256 * 1024  # blobs up to this size are kept in memory
@@ -155,16 +162,6 @@ async def _watch_disconnect(receive: Receive, disconnected: asyncio.Event) -> No
 # -- building responses ----------------------------------------------------------------
 
 
-def etag_of(sha256: str) -> str:
-    return f'"{sha256}"'
-
-
-@functools.lru_cache(maxsize=4096)
-def http_date(ms: int) -> str:
-    # Cached: every hit on an entry without an upstream Last-Modified formats its time.
-    return email.utils.formatdate(ms / 1000, usegmt=True)
-
-
 def error(status: int, message: str, extra: Mapping[str, str] | None = None) -> BodyResponse:
     headers = [(b"content-type", b"text/plain; charset=utf-8")]
     for name, value in (extra or {}).items():
@@ -186,7 +183,7 @@ def inline(
     etag = etag_of(hashlib.sha256(body).hexdigest())
     headers = _base_headers(content_type, extra)
     headers.append((b"etag", etag.encode()))
-    if _matches_etag(request_headers.get("if-none-match"), etag):
+    if matches_etag(request_headers.get("if-none-match"), etag):
         return BodyResponse(304, headers, b"", repository)
     headers.append((b"content-length", str(len(body)).encode()))
     return BodyResponse(200, headers, b"" if method == "HEAD" else body, repository)
@@ -209,19 +206,19 @@ async def blob(
     headers.append((b"last-modified", last_modified.encode("latin-1")))
     headers.append((b"accept-ranges", b"bytes"))
     if_none_match = request_headers.get("if-none-match")
-    if _matches_etag(if_none_match, etag) or (
+    if matches_etag(if_none_match, etag) or (
         if_none_match is None
-        and _not_modified_since(last_modified, request_headers.get("if-modified-since"))
+        and not_modified_since(last_modified, request_headers.get("if-modified-since"))
     ):
         return BodyResponse(304, headers, b"", entry.repository)
-    if _modified_after(last_modified, request_headers.get("if-unmodified-since")):
+    if modified_after(last_modified, request_headers.get("if-unmodified-since")):
         return error(412, "the entry changed since the given If-Unmodified-Since date")
 
     size = entry.size
     start, length, status = 0, size, 200
     range_header = request_headers.get("range")
-    if range_header and _if_range_holds(request_headers.get("if-range"), etag, last_modified):
-        parsed = _parse_range(range_header, size)
+    if range_header and if_range_holds(request_headers.get("if-range"), etag, last_modified):
+        parsed = parse_range(range_header, size)
         if isinstance(parsed, str):
             resp = error(416, f"range {range_header!r} is outside the {size} bytes")
             resp.headers.append((b"content-range", f"bytes */{size}".encode()))
@@ -269,71 +266,3 @@ def _base_headers(content_type: str | None, extra: Mapping[str, str]) -> Headers
     for name, value in extra.items():
         headers.append((name.lower().encode(), value.encode("latin-1")))
     return headers
-
-
-def _matches_etag(header: str | None, etag: str) -> bool:
-    if not header:
-        return False
-    if header.strip() == "*":
-        return True
-    for candidate in header.split(","):
-        candidate = candidate.strip()
-        if candidate.startswith("W/"):
-            candidate = candidate[2:]
-        if candidate == etag:
-            return True
-    return False
-
-
-def _if_range_holds(if_range: str | None, etag: str, last_modified: str) -> bool:
-    if not if_range:
-        return True
-    if_range = if_range.strip()
-    if if_range.startswith('"') or if_range.startswith("W/"):
-        return if_range == etag  # If-Range needs a strong match
-    return if_range == last_modified
-
-
-def _seconds_newer(last_modified: str, header: str | None) -> float | None:
-    """How much newer ``last_modified`` is than the date in ``header`` (None: no date)."""
-    if not header:
-        return None
-    try:
-        since_ts = email.utils.parsedate_to_datetime(header).timestamp()
-        modified_ts = email.utils.parsedate_to_datetime(last_modified).timestamp()
-    except (TypeError, ValueError):
-        return None
-    return float(modified_ts - since_ts)
-
-
-def _not_modified_since(last_modified: str, header: str | None) -> bool:
-    newer = _seconds_newer(last_modified, header)
-    return newer is not None and newer <= 0
-
-
-def _modified_after(last_modified: str, header: str | None) -> bool:
-    newer = _seconds_newer(last_modified, header)
-    return newer is not None and newer > 0
-
-
-def _parse_range(header: str, size: int) -> tuple[int, int] | str | None:
-    """A single ``bytes=`` range as (start, end inclusive); None to ignore the header."""
-    unit, _, spec = header.partition("=")
-    if unit.strip().lower() != "bytes" or "," in spec:
-        return None  # unknown unit or several ranges: answer with the whole body
-    first, sep, last = spec.strip().partition("-")
-    if not sep or not (first.isdigit() or first == "") or not (last.isdigit() or last == ""):
-        return None
-    try:
-        if first == "":
-            suffix = int(last)
-            if suffix <= 0:
-                return "unsatisfiable"
-            return max(0, size - suffix), size - 1
-        start = int(first)
-        end = int(last) if last else size - 1
-    except ValueError:
-        return None
-    if start < 0 or start >= size or end < start:
-        return "unsatisfiable"
-    return start, min(end, size - 1)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import textwrap
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
 from proxy.app import create_app
 from proxy.catalog import Catalog, open_catalog
-from proxy.clock import ManualClock
+from proxy.clock import SYSTEM_CLOCK, Clock, ManualClock
 from proxy.config import load
 from proxy.settings import Settings
 from tests.maven_repo import MissingMavenRepo, copy_with_checksums
@@ -57,16 +58,21 @@ def upstream() -> Iterator[FakeUpstream]:
     server.stop()
 
 
-ProxyFactory = Callable[[Settings], ServerThread]
+class ProxyFactory(Protocol):
+    def __call__(self, settings: Settings, clock: Clock = ...) -> ServerThread: ...
 
 
 @pytest.fixture
 def start_proxy() -> Iterator[ProxyFactory]:
-    """Start in-process proxies (uvicorn in a thread); all are stopped at teardown."""
+    """Start in-process proxies (uvicorn in a thread); all are stopped at teardown.
+
+    Pass a ``ManualClock`` to move time (TTLs, freshness) instead of sleeping.
+    """
     started: list[ServerThread] = []
 
-    def start(settings: Settings) -> ServerThread:
-        server = ServerThread(create_app(settings), loop="asyncio", http="httptools").start()
+    def start(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> ServerThread:
+        app = create_app(settings, clock)
+        server = ServerThread(app, loop="asyncio", http="httptools").start()
         started.append(server)
         return server
 

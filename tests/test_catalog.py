@@ -118,7 +118,9 @@ async def test_concurrent_migrations_apply_once(database_url: str) -> None:
         applied = [names for names in results if names]
         assert len(applied) == 1
         assert applied[0][0] == "0001_init"
-        assert [c for c in catalogs if c.backend == "sqlite"] == [] or "0002_job_locks_by_file" in applied[0]
+        assert [
+            c for c in catalogs if c.backend == "sqlite"
+        ] == [] or "0002_job_locks_by_file" in applied[0]
     finally:
         for c in catalogs:
             await c.close()

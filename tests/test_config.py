@@ -10,47 +10,7 @@ import pytest
 
 from proxy.config import load
 from proxy.exceptions import ConfigError
-from proxy.units import format_size, parse_duration, parse_size
 from tests.conftest import write_config
-
-
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [
-        ("15s", 15),
-        ("10m", 600),
-        ("24h", 86400),
-        ("250ms", 0.25),
-        ("0", 0),
-        ("1.5s", 1.5),
-        ("2d", 172800),
-        (30, 30),
-    ],
-)
-def test_durations(text: object, seconds: float) -> None:
-    assert parse_duration(text) == seconds
-
-
-@pytest.mark.parametrize("text", ["15", "ten minutes", "-1s", "", "5 parsecs", True])
-def test_bad_durations(text: object) -> None:
-    with pytest.raises(ValueError, match=r"duration|unit|negative"):
-        parse_duration(text)
-
-
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        ("512MiB", 512 * 2**20),
-        ("10GB", 10 * 10**9),
-        ("100MB", 10**8),
-        ("1KiB", 1024),
-        (42, 42),
-        ("7", 7),
-    ],
-)
-def test_sizes(text: object, size: int) -> None:
-    assert parse_size(text) == size
-    assert parse_size(format_size(size)) == size
 
 
 def test_embedded_defaults_need_no_file() -> None:
@@ -255,7 +215,7 @@ def test_check_config_command(tmp_path: Path) -> None:
 
 def test_the_example_config_is_valid_and_documents_every_key() -> None:
     settings = load("config.example.toml", {"GRADLE_CACHE_CI_PASSWORD": "x"})
-    assert [r.name for r in settings.repositories] == ["pypi", "maven", "gradle-cache"]
+    assert [r.name for r in settings.repositories] == ["pypi", "maven", "gradle-cache", "tools"]
     described = settings.describe()
     example = Path("config.example.toml").read_text()
     for line in described.splitlines():

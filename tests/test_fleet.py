@@ -1,6 +1,6 @@
 """Several real `proxy serve` processes on one Postgres database and one storage folder.
 
-Each test below fails on the wrong implementation of one rule of DESIGN §4-§5.
+Each test below fails on the wrong implementation of one rule of docs/architecture.md ("The request path of a miss", "Fetch leases").
 """
 
 from __future__ import annotations

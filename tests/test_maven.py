@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from proxy.clock import ManualClock
 from proxy.config import load
 from proxy.exceptions import BadRequest
-from proxy.formats.maven import parse_path
+from proxy.formats.maven import parse_checksum, parse_path
 from proxy.types import Kind
 from tests.conftest import ProxyFactory, write_config
 from tests.rawhttp import raw_get
@@ -147,6 +147,31 @@ def test_path_grammar(path: str, stored: str, checksum: str | None, kind: Kind) 
 def test_paths_outside_the_grammar_are_rejected(path: str) -> None:
     with pytest.raises(BadRequest):
         parse_path(path)
+
+
+SHA1 = "a9993e364706816aba3e25717850c26c9cd0d89d"
+
+
+@pytest.mark.parametrize(
+    ("body", "algorithm", "expected"),
+    [
+        (SHA1.encode(), "sha1", SHA1),
+        (SHA1.upper().encode() + b"\n", "sha1", SHA1),
+        (f"{SHA1}  lib-1.0.jar\n".encode(), "sha1", SHA1),  # sha1sum's form
+        (f"SHA1(lib-1.0.jar)= {SHA1}".encode(), "sha1", SHA1),  # openssl's form
+        (f"lib-1.0.jar: {SHA1}".encode(), "sha1", SHA1),
+        (b"d41d8cd98f00b204e9800998ecf8427e", "md5", "d41d8cd98f00b204e9800998ecf8427e"),
+        (b"", "sha1", None),
+        (SHA1[:-1].encode(), "sha1", None),  # one digit short
+        (SHA1.encode() + b"0", "sha1", None),  # one digit long
+        (SHA1.replace("a", "g").encode(), "sha1", None),  # not hex
+        (SHA1.encode(), "md5", None),  # a sha1 where an md5 belongs
+        (b"\xff\xfe" + SHA1.encode(), "sha1", None),  # garbage glued to the digest
+        (b"<html>404 not found</html>", "sha256", None),
+    ],
+)
+def test_parse_checksum(body: bytes, algorithm: str, expected: str | None) -> None:
+    assert parse_checksum(body, algorithm) == expected
 
 
 @pytest.mark.parametrize(
@@ -330,10 +355,9 @@ def test_puts_are_refused(maven_proxy: ServerThread) -> None:
 def test_metadata_checksums_follow_the_bytes_served(
     tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
-    config = maven_config(tmp_path / "data", [upstream.base_url]).replace(
-        'metadata_ttl = "30m"', 'metadata_ttl = "1s"'
-    )
-    proxy = start_proxy(load(write_config(tmp_path, config), {}))
+    config = maven_config(tmp_path / "data", [upstream.base_url])
+    clock = ManualClock()
+    proxy = start_proxy(load(write_config(tmp_path, config), {}), clock)
     first = b"<metadata><versioning><latest>1.0</latest></versioning></metadata>"
     publish(upstream, METADATA, first)
     assert httpx.get(proxy.url + "/maven" + METADATA).content == first
@@ -341,11 +365,11 @@ def test_metadata_checksums_follow_the_bytes_served(
     second = first.replace(b"1.0", b"1.1")
     publish(upstream, METADATA, second)
     assert httpx.get(f"{proxy.url}/maven{METADATA}.sha1").text == hashlib.sha1(first).hexdigest()
-    time.sleep(1.1)
+    clock.advance(30 * 60)  # metadata_ttl
     assert httpx.get(proxy.url + "/maven" + METADATA).content == second
     assert httpx.get(f"{proxy.url}/maven{METADATA}.sha1").text == hashlib.sha1(second).hexdigest()
     # Stale copy on outage, with its matching checksum.
-    time.sleep(1.1)
+    clock.advance(30 * 60)
     upstream.fault(METADATA, status=502)
     stale = httpx.get(proxy.url + "/maven" + METADATA)
     assert (
@@ -356,17 +380,16 @@ def test_metadata_checksums_follow_the_bytes_served(
 def test_snapshot_files_use_the_snapshot_ttl(
     tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
-    config = maven_config(tmp_path / "data", [upstream.base_url]).replace(
-        'snapshot_ttl = "1m"', 'snapshot_ttl = "1s"'
-    )
-    proxy = start_proxy(load(write_config(tmp_path, config), {}))
+    config = maven_config(tmp_path / "data", [upstream.base_url])
+    clock = ManualClock()
+    proxy = start_proxy(load(write_config(tmp_path, config), {}), clock)
     snapshot = "/org/example/lib/1.0-SNAPSHOT/lib-1.0-SNAPSHOT.jar"
     publish(upstream, snapshot, b"v1")
     publish(upstream, METADATA, b"<metadata/>")
     assert httpx.get(proxy.url + "/maven" + snapshot).content == b"v1"
     httpx.get(proxy.url + "/maven" + METADATA)
     publish(upstream, snapshot, b"v2")
-    time.sleep(1.1)
+    clock.advance(61)  # past snapshot_ttl (1m), well within metadata_ttl (30m)
     assert httpx.get(proxy.url + "/maven" + snapshot).content == b"v2"
     httpx.get(proxy.url + "/maven" + METADATA)
     assert upstream.count(METADATA) == 1  # release metadata keeps its 30m TTL
@@ -445,14 +468,13 @@ def test_verification_uses_the_strongest_usable_upstream_checksum(
 def test_metadata_checksum_never_refreshes_the_metadata(
     tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
-    config = maven_config(tmp_path / "data", [upstream.base_url]).replace(
-        'metadata_ttl = "30m"', 'metadata_ttl = "1s"'
-    )
-    proxy = start_proxy(load(write_config(tmp_path, config), {}))
+    config = maven_config(tmp_path / "data", [upstream.base_url])
+    clock = ManualClock()
+    proxy = start_proxy(load(write_config(tmp_path, config), {}), clock)
     first = b"<metadata><version>1.0</version></metadata>"
     publish(upstream, METADATA, first)
     assert httpx.get(proxy.url + "/maven" + METADATA).content == first
-    time.sleep(1.2)
+    clock.advance(31 * 60)
     publish(upstream, METADATA, first.replace(b"1.0", b"2.0"))
     # The client holds the first bytes: their checksum, not the new file's.
     assert httpx.get(f"{proxy.url}/maven{METADATA}.sha1").text == hashlib.sha1(first).hexdigest()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from proxy.clock import ManualClock
 from proxy.config import load
 from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.upstream import FakeUpstream, ProjectFile, ServerThread, make_wheel
@@ -309,13 +309,12 @@ def test_unreachable_upstream_is_502(tmp_path: Path, start_proxy: ProxyFactory) 
 def test_stale_if_error_then_revalidation(
     tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory, alpha: ProjectFile
 ) -> None:
-    config = pypi_config(tmp_path / "data", upstream.base_url).replace(
-        'metadata_ttl = "10m"', 'metadata_ttl = "1s"'
-    )
-    proxy = start_proxy(load(write_config(tmp_path, config), {}))
+    config = pypi_config(tmp_path / "data", upstream.base_url)
+    clock = ManualClock()
+    proxy = start_proxy(load(write_config(tmp_path, config), {}), clock)
     first = get(proxy, "/pypi/simple/alpha/")
     assert first.status_code == 200
-    time.sleep(1.1)
+    clock.advance(10 * 60)  # metadata_ttl
     upstream.fault("/simple/alpha/", status=500)
     stale = get(proxy, "/pypi/simple/alpha/")
     assert stale.status_code == 200

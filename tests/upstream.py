@@ -182,7 +182,7 @@ class FakeUpstream:
                 if path.startswith("/simple/")
                 else "application/octet-stream"
             )
-            return 200, self.files[path], content_type, []
+            return _with_etag(self.files[path], content_type, headers)
         if path.startswith("/simple/"):
             return self._index(path, headers)
         if path.startswith("/packages/"):
@@ -280,6 +280,16 @@ async def _send(
     await send({"type": "http.response.body", "body": body})
 
 
+def _with_etag(
+    body: bytes, content_type: str, headers: dict[str, str]
+) -> tuple[int, bytes, str, list[tuple[bytes, bytes]]]:
+    """200 with an ETag, or 304 when the request's If-None-Match names it."""
+    etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
+    if headers.get("if-none-match") == etag:
+        return 304, b"", "", [(b"etag", etag.encode())]
+    return 200, body, content_type, [(b"etag", etag.encode())]
+
+
 class ServerThread:
     """Run an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread."""
 
@@ -361,3 +371,70 @@ def make_wheel(
         for path, data in files.items():
             zf.writestr(zipfile.ZipInfo(path, date_time=(2024, 1, 1, 0, 0, 0)), data)
     return f"{dist}-{version}-py3-none-any.whl", buffer.getvalue(), metadata
+
+
+# -- building source distributions ------------------------------------------------------
+
+# A PEP 517 build backend inside the sdist itself (backend-path = ["."]): pip builds the
+# wheel with no build dependency at all, so installing the tarball needs no index.
+_IN_TREE_BACKEND = """
+import base64, hashlib, os, zipfile
+
+NAME, VERSION = {name!r}, {version!r}
+
+
+def _metadata():
+    return f"Metadata-Version: 2.1\\nName: {{NAME}}\\nVersion: {{VERSION}}\\n".encode()
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return []
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    dist = NAME.replace("-", "_")
+    info = f"{{dist}}-{{VERSION}}.dist-info"
+    with open(os.path.join(os.path.dirname(__file__), f"{{dist}}.py"), "rb") as fh:
+        module = fh.read()
+    files = {{
+        f"{{dist}}.py": module,
+        f"{{info}}/METADATA": _metadata(),
+        f"{{info}}/WHEEL": b"Wheel-Version: 1.0\\nGenerator: tests\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n",
+    }}
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{{path}},sha256={{digest}},{{len(data)}}")
+    record.append(f"{{info}}/RECORD,,")
+    files[f"{{info}}/RECORD"] = ("\\n".join(record) + "\\n").encode()
+    filename = f"{{dist}}-{{VERSION}}-py3-none-any.whl"
+    with zipfile.ZipFile(os.path.join(wheel_directory, filename), "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return filename
+"""
+
+
+def make_sdist(name: str, version: str) -> tuple[str, bytes]:
+    """A source tarball ``name-version.tar.gz`` that pip installs offline."""
+    import tarfile
+
+    dist = name.replace("-", "_")
+    top = f"{dist}-{version}"
+    members = {
+        f"{top}/pyproject.toml": (
+            '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n'
+            f'[project]\nname = "{name}"\nversion = "{version}"\n'
+        ).encode(),
+        f"{top}/backend.py": _IN_TREE_BACKEND.format(name=name, version=version).encode(),
+        f"{top}/{dist}.py": f"VERSION = {version!r}\n".encode(),
+        f"{top}/PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+    }
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path, data in members.items():
+            info = tarfile.TarInfo(path)
+            info.size = len(data)
+            info.mtime = 1_700_000_000
+            tar.addfile(info, io.BytesIO(data))
+    return f"{top}.tar.gz", buffer.getvalue()

@@ -30,7 +30,7 @@ CREATE TABLE links (
     PRIMARY KEY (repository, key)
 );
 
--- Fetch leases (DESIGN §5). Fences come from one global sequence: they grow on every
+-- Fetch leases (docs/architecture.md, "Fetch leases"). Fences come from one global sequence: they grow on every
 -- claim, re-entrant ones included, and stay monotonic after rows are purged.
 CREATE SEQUENCE fetch_lease_fence;
 CREATE TABLE fetch_leases (

@@ -29,7 +29,7 @@ CREATE TABLE links (
     PRIMARY KEY (repository, key)
 );
 
--- Fetch leases (DESIGN §5). The fence comes from lease_fences' AUTOINCREMENT, which
+-- Fetch leases (docs/architecture.md, "Fetch leases"). The fence comes from lease_fences' AUTOINCREMENT, which
 -- never reuses a value even after rows are deleted, so it stays monotonic after purges.
 CREATE TABLE fetch_leases (
     key         TEXT    PRIMARY KEY,

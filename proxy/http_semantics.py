@@ -1,0 +1,99 @@
+"""HTTP request semantics, as pure functions: entity tags, dates and byte ranges
+(RFC 9110 §8.8, §13, §14). No I/O; ``responses.py`` applies them to stored entries.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import functools
+import re
+from typing import Literal
+
+
+def etag_of(sha256: str) -> str:
+    return f'"{sha256}"'
+
+
+@functools.lru_cache(maxsize=4096)
+def http_date(ms: int) -> str:
+    # Cached: every hit on an entry without an upstream Last-Modified formats its time.
+    return email.utils.formatdate(ms / 1000, usegmt=True)
+
+
+def matches_etag(header: str | None, etag: str) -> bool:
+    if not header:
+        return False
+    if header.strip() == "*":
+        return True
+    for candidate in header.split(","):
+        candidate = candidate.strip()
+        if candidate.startswith("W/"):
+            candidate = candidate[2:]
+        if candidate == etag:
+            return True
+    return False
+
+
+def if_range_holds(if_range: str | None, etag: str, last_modified: str) -> bool:
+    if not if_range:
+        return True
+    if_range = if_range.strip()
+    if if_range.startswith('"') or if_range.startswith("W/"):
+        return if_range == etag  # If-Range needs a strong match
+    return if_range == last_modified
+
+
+def _seconds_newer(last_modified: str, header: str | None) -> float | None:
+    """How much newer ``last_modified`` is than the date in ``header`` (None: no date)."""
+    if not header:
+        return None
+    try:
+        since_ts = email.utils.parsedate_to_datetime(header).timestamp()
+        modified_ts = email.utils.parsedate_to_datetime(last_modified).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return float(modified_ts - since_ts)
+
+
+def not_modified_since(last_modified: str, header: str | None) -> bool:
+    newer = _seconds_newer(last_modified, header)
+    return newer is not None and newer <= 0
+
+
+def modified_after(last_modified: str, header: str | None) -> bool:
+    newer = _seconds_newer(last_modified, header)
+    return newer is not None and newer > 0
+
+
+UNSATISFIABLE = "unsatisfiable"
+_RANGE_RE = re.compile(r"^\s*([0-9]*)\s*-\s*([0-9]*)\s*$")
+
+
+def parse_range(header: str, size: int) -> tuple[int, int] | Literal["unsatisfiable"] | None:
+    """A single ``bytes=`` range of a ``size``-byte body as ``(start, end)``, end included.
+
+    ``UNSATISFIABLE`` means answer 416; None means ignore the header and send the whole
+    body (another unit, several ranges, or a malformed spec, as RFC 9110 §14.2 allows).
+    An empty body has no satisfiable range at all.
+    """
+    unit, _, spec = header.partition("=")
+    if unit.strip().lower() != "bytes" or "," in spec:
+        return None
+    match = _RANGE_RE.match(spec)
+    if match is None:
+        return None
+    first, last = match.groups()
+    if first == "":
+        if last == "":
+            return None
+        suffix = int(last)
+        if suffix == 0 or size == 0:
+            return UNSATISFIABLE
+        return max(0, size - suffix), size - 1
+    start = int(first)
+    end = int(last) if last else size - 1
+    if last and end < start:
+        return None  # "bytes=5-3" is invalid, not unsatisfiable: ignore it
+    if start >= size:
+        return UNSATISFIABLE
+    return start, min(end, size - 1)
