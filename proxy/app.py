@@ -1,9 +1,7 @@
-"""The ASGI application: the lifespan builds every resource; routes dispatch to formats.
+"""The ASGI application: the lifespan opens the engine; routes dispatch to formats.
 
-Resources are built in the lifespan and handed to requests through the lifespan state
+The engine (``engine.py``) is handed to requests through the lifespan state
 (``scope["state"]["proxy"]``); there are no globals besides the Prometheus metrics.
-This module and ``config.py`` are the only ones that look formats up in the registry
-(docs/architecture.md, "Module map").
 """
 
 from __future__ import annotations
@@ -11,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -24,15 +20,12 @@ from starlette.requests import Request as StarletteRequest
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from proxy import formats, metrics, responses
-from proxy.blobs import BlobStore
-from proxy.blocking import install_io_executor, run_blocking
-from proxy.cache import Cache
-from proxy.catalog import Catalog, open_catalog
+from proxy import metrics, responses
+from proxy.blocking import run_blocking
 from proxy.clock import SYSTEM_CLOCK, Clock
-from proxy.contract import Adapter, FormatContext, Request
+from proxy.contract import Request
 from proxy.contract import Response as ASGIResponse
-from proxy.entry_index import AccessLog, EntryIndex
+from proxy.engine import Engine, open_engine
 from proxy.exceptions import (
     CatalogError,
     ClientError,
@@ -43,35 +36,15 @@ from proxy.exceptions import (
     UpstreamError,
     UpstreamUnavailable,
 )
-from proxy.fetch import Fetcher
-from proxy.jobs import Scheduler, standard_jobs
-from proxy.leases import LeaseCoordinator, make_holder_id
 from proxy.paths import check_headers, split_path
-from proxy.responses import HotBlobs
 from proxy.settings import Settings
-from proxy.tasks import TaskSupervisor
 from proxy.types import Receive, Scope, Send
-from proxy.upstream import Upstream, build_client
 
 log = logging.getLogger("proxy.app")
 
-ACCESS_FLUSH_INTERVAL_S = 5.0
-SHUTDOWN_TASK_TIMEOUT_S = 10.0
 READY_CHECK_TIMEOUT_S = 2.0
 BODY_METHODS = frozenset({"PUT", "POST", "PATCH"})
 KNOWN_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"})
-
-
-@dataclass
-class ProxyState:
-    settings: Settings
-    catalog: Catalog
-    blobs: BlobStore
-    cache: Cache
-    adapters: dict[str, Adapter]
-    tasks: TaskSupervisor
-    leases: LeaseCoordinator
-    holder: str
 
 
 class ShutdownSignal:
@@ -115,82 +88,20 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        install_io_executor(asyncio.get_running_loop())
-        blobs = BlobStore(settings.storage_path)
-        await run_blocking(blobs.prepare)
-        catalog = open_catalog(settings.database_url, clock)
-        applied = await catalog.migrate()
-        if applied:
-            log.info("applied migrations: %s", ", ".join(applied))
-        client = build_client(settings.upstream)
-        upstream = Upstream(client, settings.upstream)
-        tasks = TaskSupervisor()
-        holder = make_holder_id()
-        leases = LeaseCoordinator(catalog, settings.leases, tasks, holder, clock)
-        index, access, hot = EntryIndex(), AccessLog(clock), HotBlobs()
-        fetcher = Fetcher(catalog, blobs, index, leases, tasks, clock)
-        cache = Cache(catalog, blobs, fetcher, index, access, hot, clock)
-        adapters: dict[str, Adapter] = {}
-        size_limits: dict[str, int] = {}
-        for repo in settings.repositories:
-            plugin = formats.plugin(repo.format)
-            view = cache.for_repository(repo.name, repo.format, upstream)
-            context = FormatContext(cache=view, upstream=upstream, links=view.links)
-            adapters[repo.name] = plugin.build(repo, context)
-            limit = plugin.max_size(repo.options) if plugin.max_size else None
-            if limit is not None:
-                size_limits[repo.name] = limit
-            for warning in plugin.warnings(repo, settings.host) if plugin.warnings else ():
-                log.warning("%s", warning)
-            if repo.is_proxy and not repo.upstreams:
-                log.warning(
-                    "repository %r has no upstream: its requests get 503 until you set %s",
-                    repo.name,
-                    repo.upstream_setting,
-                )
-        state = ProxyState(settings, catalog, blobs, cache, adapters, tasks, leases, holder)
-
-        tasks.spawn("access-flush", _flush_access_forever(cache))
-        if settings.leases.notify:
-            tasks.spawn("lease-listener", catalog.listen_leases(leases.notify))
-        scheduler = Scheduler(catalog, holder, tasks)
-        for job in standard_jobs(settings, catalog, blobs, cache, clock, size_limits):
-            scheduler.add(job)
-        scheduler.start()
-
-        stopping: asyncio.Future[None] | None = None
-
-        async def stop_work() -> None:
-            # Cancel fetches first: each releases its lease as it unwinds, so another
-            # replica takes over at once; then release anything left and wait for it.
-            await tasks.close(SHUTDOWN_TASK_TIMEOUT_S)
-            await leases.release_all()
-
-        def begin_shutdown() -> asyncio.Future[None]:
-            nonlocal stopping
-            if stopping is None:
-                stopping = asyncio.ensure_future(stop_work())
-            return stopping
-
-        shutdown.attach(asyncio.get_running_loop(), begin_shutdown)
-        log.info(
-            "proxy ready: holder=%s catalog=%s storage=%s repositories=%s",
-            holder,
-            catalog.backend,
-            settings.storage_path,
-            ", ".join(f"/{r.name}/ ({r.format})" for r in settings.repositories),
-        )
-        try:
-            yield {"proxy": state}
-        finally:
-            shutdown.detach()
-            await begin_shutdown()
-            flushed = await cache.flush_access()
-            log.info("shut down: flushed %d access times", flushed)
-            await client.aclose()
-            await catalog.close()
-            # With several workers, drop this process's live gauges from the aggregate.
-            metrics.mark_process_dead(os.getpid())
+        async with open_engine(settings, clock) as engine:
+            engine.start_background()
+            shutdown.attach(asyncio.get_running_loop(), engine.stop)
+            log.info(
+                "proxy ready: holder=%s catalog=%s storage=%s repositories=%s",
+                engine.holder,
+                engine.catalog.backend,
+                settings.storage_path,
+                ", ".join(f"/{r.name}/ ({r.format})" for r in settings.repositories),
+            )
+            try:
+                yield {"proxy": engine}
+            finally:
+                shutdown.detach()
 
     return Starlette(
         routes=[
@@ -203,17 +114,11 @@ def create_app(
     )
 
 
-async def _flush_access_forever(cache: Cache) -> None:
-    while True:
-        await asyncio.sleep(ACCESS_FLUSH_INTERVAL_S)
-        await cache.flush_access()
-
-
 class Dispatcher:
     """``/{repository}/...`` -> the repository's format adapter, with errors as 4xx/5xx."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state: ProxyState = scope["state"]["proxy"]
+        state: Engine = scope["state"]["proxy"]
         started = time.perf_counter()
         method = scope["method"]
         repository = "-"
@@ -257,7 +162,7 @@ class Dispatcher:
             metrics.REQUEST_DURATION.labels(repository).observe(time.perf_counter() - started)
 
 
-def _error_response(exc: ProxyError, state: ProxyState) -> ASGIResponse:
+def _error_response(exc: ProxyError, state: Engine) -> ASGIResponse:
     if isinstance(exc, ClientError):
         return responses.error(exc.status, str(exc))
     if isinstance(exc, UpstreamUnavailable):
@@ -283,12 +188,12 @@ def _error_response(exc: ProxyError, state: ProxyState) -> ASGIResponse:
     return responses.error(500, f"internal error: {type(exc).__name__}")
 
 
-def _unknown(repository: str, state: ProxyState) -> ASGIResponse:
+def _unknown(repository: str, state: Engine) -> ASGIResponse:
     known = ", ".join(f"/{name}/" for name in state.adapters) or "none"
     return responses.error(404, f"no repository named {repository!r}; configured: {known}")
 
 
-def _landing(state: ProxyState) -> ASGIResponse:
+def _landing(state: Engine) -> ASGIResponse:
     lines = ["artifact proxy", ""]
     for repo in state.settings.repositories:
         line = f"/{repo.name}/  format={repo.format}"
@@ -305,7 +210,7 @@ async def healthz(request: StarletteRequest) -> Response:
 
 
 async def readyz(request: StarletteRequest) -> Response:
-    state: ProxyState = request.state.proxy
+    state: Engine = request.state.proxy
     problems = []
     try:
         async with asyncio.timeout(READY_CHECK_TIMEOUT_S):

@@ -65,7 +65,7 @@ def modified_after(last_modified: str, header: str | None) -> bool:
     return newer is not None and newer > 0
 
 
-UNSATISFIABLE = "unsatisfiable"
+UNSATISFIABLE: Literal["unsatisfiable"] = "unsatisfiable"
 _RANGE_RE = re.compile(r"^\s*([0-9]*)\s*-\s*([0-9]*)\s*$")
 
 

@@ -18,7 +18,7 @@ from proxy.options import options_of
 
 PROXY = Path(__file__).resolve().parent.parent / "proxy"
 # The composition root: the only modules that look formats up in the registry.
-REGISTRY_USERS = {"proxy.app", "proxy.config", "proxy.formats"}
+REGISTRY_USERS = {"proxy.engine", "proxy.config", "proxy.formats"}
 # Modules of a format that are its own helpers, not formats (pure parsing, no engine).
 FORMAT_HELPERS = {"proxy.formats.simple_index"}
 

@@ -1,0 +1,138 @@
+"""The engine assembled: every resource the proxy runs on, built from ``Settings``.
+
+``open_engine`` is the composition root: it opens the catalog and the blob store,
+builds the fetch machinery and one adapter per repository (looking formats up in the
+registry), and on exit hands every lease back and closes what it opened. The HTTP app
+(``app.py``) serves it; commands that need the engine without a server (``proxy
+mirror``) open it the same way (docs/architecture.md, "Module map").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from proxy import formats, metrics
+from proxy.blobs import BlobStore
+from proxy.blocking import install_io_executor, run_blocking
+from proxy.cache import Cache
+from proxy.catalog import Catalog, open_catalog
+from proxy.clock import Clock
+from proxy.contract import Adapter, FormatContext
+from proxy.entry_index import AccessLog, EntryIndex
+from proxy.fetch import Fetcher
+from proxy.jobs import Scheduler, standard_jobs
+from proxy.leases import LeaseCoordinator, make_holder_id
+from proxy.responses import HotBlobs
+from proxy.settings import Settings
+from proxy.tasks import TaskSupervisor
+from proxy.upstream import Upstream, build_client
+
+log = logging.getLogger("proxy.engine")
+
+ACCESS_FLUSH_INTERVAL_S = 5.0
+SHUTDOWN_TASK_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Engine:
+    settings: Settings
+    clock: Clock
+    catalog: Catalog
+    blobs: BlobStore
+    cache: Cache
+    adapters: dict[str, Adapter]
+    tasks: TaskSupervisor
+    leases: LeaseCoordinator
+    holder: str
+    size_limits: dict[str, int]  # repositories whose format keeps them under a size
+    _stopping: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    def start_background(self, scheduler: bool = True) -> None:
+        """Access-time flushes, lease notifications and (if asked) the job scheduler."""
+        self.tasks.spawn("access-flush", _flush_access_forever(self.cache))
+        if self.settings.leases.notify:
+            self.tasks.spawn("lease-listener", self.catalog.listen_leases(self.leases.notify))
+        if scheduler:
+            jobs = Scheduler(self.catalog, self.holder, self.tasks)
+            for job in standard_jobs(
+                self.settings, self.catalog, self.blobs, self.cache, self.clock, self.size_limits
+            ):
+                jobs.add(job)
+            jobs.start()
+
+    def stop(self) -> asyncio.Future[None]:
+        """Cancel every fetch and job, then hand back every lease (idempotent)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        return self._stopping
+
+    async def _stop(self) -> None:
+        # Cancel fetches first: each releases its lease as it unwinds, so another
+        # replica takes over at once; then release anything left and wait for it.
+        await self.tasks.close(SHUTDOWN_TASK_TIMEOUT_S)
+        await self.leases.release_all()
+
+
+@asynccontextmanager
+async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]:
+    install_io_executor(asyncio.get_running_loop())
+    blobs = BlobStore(settings.storage_path)
+    await run_blocking(blobs.prepare)
+    catalog = open_catalog(settings.database_url, clock)
+    try:
+        applied = await catalog.migrate()
+        if applied:
+            log.info("applied migrations: %s", ", ".join(applied))
+        client = build_client(settings.upstream)
+        try:
+            upstream = Upstream(client, settings.upstream)
+            tasks = TaskSupervisor()
+            holder = make_holder_id()
+            leases = LeaseCoordinator(catalog, settings.leases, tasks, holder, clock)
+            index, access, hot = EntryIndex(), AccessLog(clock), HotBlobs()
+            fetcher = Fetcher(catalog, blobs, index, leases, tasks, clock)
+            cache = Cache(catalog, blobs, fetcher, index, access, hot, clock)
+            adapters: dict[str, Adapter] = {}
+            size_limits: dict[str, int] = {}
+            for repo in settings.repositories:
+                plugin = formats.plugin(repo.format)
+                view = cache.for_repository(repo.name, repo.format, upstream)
+                context = FormatContext(cache=view, upstream=upstream, links=view.links)
+                adapters[repo.name] = plugin.build(repo, context)
+                limit = plugin.max_size(repo.options) if plugin.max_size else None
+                if limit is not None:
+                    size_limits[repo.name] = limit
+                for warning in plugin.warnings(repo, settings.host) if plugin.warnings else ():
+                    log.warning("%s", warning)
+                if repo.is_proxy and not repo.upstreams:
+                    log.warning(
+                        "repository %r has no upstream: its requests get 503 until you set %s",
+                        repo.name,
+                        repo.upstream_setting,
+                    )
+            engine = Engine(
+                settings, clock, catalog, blobs, cache, adapters, tasks, leases, holder, size_limits
+            )
+            try:
+                yield engine
+            finally:
+                await engine.stop()
+                flushed = await cache.flush_access()
+                log.info("shut down: flushed %d access times", flushed)
+        finally:
+            await client.aclose()
+    finally:
+        await catalog.close()
+        # With several workers, drop this process's live gauges from the aggregate.
+        metrics.mark_process_dead(os.getpid())
+
+
+async def _flush_access_forever(cache: Cache) -> None:
+    while True:
+        await asyncio.sleep(ACCESS_FLUSH_INTERVAL_S)
+        await cache.flush_access()
