@@ -22,8 +22,6 @@ from proxy.exceptions import StorageError
 from proxy.types import Digests
 
 TEMP_SUFFIX = ".part"
-# Digest names we compute; "sha256" is always computed because it is the blob's name.
-SUPPORTED_DIGESTS = ("md5", "sha1", "sha256", "sha512")
 
 
 class TempBlob:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 
 from proxy import metrics, responses
 from proxy.blobs import BlobStore
-from proxy.blocking import run_blocking
+from proxy.blocking import CpuPool, run_blocking
 from proxy.catalog import Catalog, Entry
 from proxy.clock import Clock
 from proxy.contract import (
@@ -64,9 +64,9 @@ class Cache:
         self.clock = clock
 
     def for_repository(
-        self, name: str, format_name: str, upstream: UpstreamClient
+        self, name: str, format_name: str, upstream: UpstreamClient, cpu: CpuPool
     ) -> RepositoryView:
-        return RepositoryView(self, name, format_name, upstream)
+        return RepositoryView(self, name, format_name, upstream, cpu)
 
     async def lookup(self, repository: str, key: str) -> Entry | None:
         """The entry for a key, fresh or not; memory first, then the catalog."""
@@ -144,12 +144,16 @@ class CatalogLinks:
 class RepositoryView:
     """``contract.RepositoryCache`` for one repository."""
 
-    def __init__(self, cache: Cache, name: str, format_name: str, upstream: UpstreamClient):
+    def __init__(
+        self, cache: Cache, name: str, format_name: str, upstream: UpstreamClient, cpu: CpuPool
+    ) -> None:
         self.cache = cache
         self.name = name
         self.format = format_name
         self.links = CatalogLinks(cache.catalog, name)
-        self.origin_context = OriginContext(upstream=upstream, links=self.links, get=self.warm)
+        self.origin_context = OriginContext(
+            upstream=upstream, links=self.links, get=self.warm, compute=cpu.run
+        )
 
     # -- proxied keys --------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from proxy import formats
 from proxy.exceptions import ConfigError
-from proxy.options import Duration, Flag, Integer, OptionType, Text, options_of
+from proxy.options import Duration, Flag, Integer, OptionType, Rate, Size, Text, options_of
 from proxy.settings import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_LEASE_POLL_INTERVAL_S,
@@ -27,11 +27,15 @@ from proxy.settings import (
     DEFAULT_LEASE_TTL_S,
     DEFAULT_LISTEN,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MIN_FREE,
+    DEFAULT_MIN_RATE,
+    DEFAULT_MIN_RATE_WINDOW_S,
     DEFAULT_READ_TIMEOUT_S,
     DEFAULT_RECLAIM_INTERVAL_S,
     DEFAULT_RETRIES,
     DEFAULT_STORAGE_PATH,
     DEFAULT_SWEEP_INTERVAL_S,
+    DEFAULT_TRANSFER_TIMEOUT_S,
     DEFAULT_WORKERS,
     JobSettings,
     LeaseSettings,
@@ -114,9 +118,19 @@ class _Parser:
                 self.error(key, f"unknown section; expected one of {', '.join(sorted(known))}")
         server = self.table(raw, "server", {"listen", "workers"})
         database = self.table(raw, "database", {"url"})
-        storage = self.table(raw, "storage", {"path"})
+        storage = self.table(raw, "storage", {"path", "min_free"})
         upstream = self.table(
-            raw, "upstream", {"connect_timeout", "read_timeout", "retries", "max_connections"}
+            raw,
+            "upstream",
+            {
+                "connect_timeout",
+                "read_timeout",
+                "transfer_timeout",
+                "min_rate",
+                "min_rate_window",
+                "retries",
+                "max_connections",
+            },
         )
         leases = self.table(raw, "leases", {"ttl", "poll_interval", "retention", "notify"})
         jobs = self.table(raw, "jobs", {"reclaim_interval", "sweep_interval"})
@@ -147,7 +161,19 @@ class _Parser:
             max_connections=self.value(
                 upstream, "upstream", "max_connections", Integer(1), DEFAULT_MAX_CONNECTIONS
             ),
+            transfer_timeout_s=self.value(
+                upstream, "upstream", "transfer_timeout", positive, DEFAULT_TRANSFER_TIMEOUT_S
+            ),
+            min_rate=self.value(upstream, "upstream", "min_rate", Rate(), DEFAULT_MIN_RATE),
+            min_rate_window_s=self.value(
+                upstream, "upstream", "min_rate_window", positive, DEFAULT_MIN_RATE_WINDOW_S
+            ),
         )
+        if upstream_settings.transfer_timeout_s < upstream_settings.read_timeout_s:
+            self.error(
+                "upstream.transfer_timeout", "must not be shorter than upstream.read_timeout"
+            )
+        storage_min_free = self.value(storage, "storage", "min_free", Size(), DEFAULT_MIN_FREE)
         lease_settings = LeaseSettings(
             ttl_s=self.value(leases, "leases", "ttl", positive, DEFAULT_LEASE_TTL_S),
             poll_interval_s=self.value(
@@ -199,6 +225,7 @@ class _Parser:
             jobs=job_settings,
             repositories=tuple(repositories),
             source=source,
+            storage_min_free=storage_min_free,
         )
 
     # -- repositories -------------------------------------------------------------

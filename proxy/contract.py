@@ -51,9 +51,10 @@ from proxy.options import (
     option,
 )
 from proxy.settings import RepositorySettings
-from proxy.types import Digests, Kind, Link, Receive, Scope, Send, Validators
+from proxy.types import KNOWN_DIGESTS, Digests, Kind, Link, Receive, Scope, Send, Validators
 
 __all__ = [
+    "KNOWN_DIGESTS",
     "Adapter",
     "BadRequest",
     "Choice",
@@ -255,11 +256,15 @@ class OriginContext:
     ``get`` fetches *another* key through the cache (with its own lease). Use it only for
     keys that never need the key being fetched (a file may need its index page; an index
     page never needs a file), so two fetches can never wait on each other.
+
+    ``compute(fn, *args)`` runs CPU-heavy work on what the upstream sent (parsing and
+    rendering a page) in a thread, so the event loop keeps serving meanwhile.
     """
 
     upstream: UpstreamClient
     links: LinkStore
     get: Callable[[FetchSpec], Awaitable[WarmResult]]
+    compute: Callable[..., Awaitable[Any]]
 
 
 class Origin(Protocol):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from proxy import formats, metrics
 from proxy.blobs import BlobStore
-from proxy.blocking import install_io_executor, run_blocking
+from proxy.blocking import CpuPool, install_io_executor, run_blocking
 from proxy.cache import Cache
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import Clock
@@ -30,7 +30,7 @@ from proxy.leases import LeaseCoordinator, make_holder_id
 from proxy.responses import HotBlobs
 from proxy.settings import Settings
 from proxy.tasks import TaskSupervisor
-from proxy.upstream import Upstream, build_client
+from proxy.upstream import UpstreamPool
 
 log = logging.getLogger("proxy.engine")
 
@@ -88,9 +88,9 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
         applied = await catalog.migrate()
         if applied:
             log.info("applied migrations: %s", ", ".join(applied))
-        client = build_client(settings.upstream)
+        pool = UpstreamPool(settings.upstream)
+        cpu = CpuPool()
         try:
-            upstream = Upstream(client, settings.upstream)
             tasks = TaskSupervisor()
             holder = make_holder_id()
             leases = LeaseCoordinator(catalog, settings.leases, tasks, holder, clock)
@@ -101,7 +101,8 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
             size_limits: dict[str, int] = {}
             for repo in settings.repositories:
                 plugin = formats.plugin(repo.format)
-                view = cache.for_repository(repo.name, repo.format, upstream)
+                upstream = pool.for_repository(repo.name, repo.upstreams, repo.allow_hosts)
+                view = cache.for_repository(repo.name, repo.format, upstream, cpu)
                 context = FormatContext(cache=view, upstream=upstream, links=view.links)
                 adapters[repo.name] = plugin.build(repo, context)
                 limit = plugin.max_size(repo.options) if plugin.max_size else None
@@ -125,7 +126,8 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
                 flushed = await cache.flush_access()
                 log.info("shut down: flushed %d access times", flushed)
         finally:
-            await client.aclose()
+            cpu.close()
+            await pool.aclose()
     finally:
         await catalog.close()
         # With several workers, drop this process's live gauges from the aggregate.

@@ -14,12 +14,11 @@ decides *whether* to (lease), and stores, verifies and streams what arrives.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from dataclasses import dataclass
 
 from proxy import metrics
-from proxy.blobs import SUPPORTED_DIGESTS, BlobStore
+from proxy.blobs import BlobStore
 from proxy.catalog import Catalog, Entry
 from proxy.clock import Clock
 from proxy.contract import Fetched, FetchSpec, OriginContext, Status
@@ -34,7 +33,7 @@ from proxy.exceptions import (
 )
 from proxy.leases import HeldLease, LeaseCoordinator, Verdict
 from proxy.tasks import TaskSupervisor
-from proxy.types import Kind, Validators
+from proxy.types import KNOWN_DIGESTS, Kind, Validators
 
 log = logging.getLogger("proxy.fetch")
 
@@ -307,9 +306,8 @@ class Fetcher:
         spec = miss.spec
         assert fetched.body is not None
         expected = {name: value.lower() for name, value in fetched.expected.items()}
-        wanted = set(spec.digests) | {
-            n for n in expected if n in SUPPORTED_DIGESTS or n in hashlib.algorithms_available
-        }
+        expected = {name: value for name, value in expected.items() if name in KNOWN_DIGESTS}
+        wanted = set(spec.digests) | set(expected)
         temp = self.blobs.new_temp(wanted)
         download = Download(str(temp.path), fetched.content_type, fetched.length)
         flight.download = download

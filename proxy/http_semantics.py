@@ -9,6 +9,15 @@ import functools
 import re
 from typing import Literal
 
+HEADER_VALUE_MAX_CHARS = 8192
+_HEADER_VALUE_RE = re.compile(r"^[\t\x20-\x7e]*$")
+
+
+def header_value_ok(value: str) -> bool:
+    """Can ``value`` be sent as a header value as it is? Visible ASCII, spaces and tabs
+    only (RFC 9110 §5.5 without obs-text), and not absurdly long."""
+    return len(value) <= HEADER_VALUE_MAX_CHARS and _HEADER_VALUE_RE.match(value) is not None
+
 
 def etag_of(sha256: str) -> str:
     return f'"{sha256}"'

@@ -122,6 +122,24 @@ class Size:
         return f'"{format_size(value)}"'
 
 
+class Rate:
+    """A transfer rate: ``"4KiB/s"`` (or a size, per second) -> bytes per second."""
+
+    def parse(self, value: object, key: str, report: Reporter) -> int | None:
+        text = _expanded(value, key, report)
+        if isinstance(text, str) and text.strip().endswith("/s"):
+            text = text.strip()[:-2]
+        try:
+            rate = parse_size(text)
+        except ValueError:
+            report.error(key, f'{value!r} is not a rate; use e.g. "4KiB/s" or "1MB/s"')
+            return None
+        return rate
+
+    def render(self, value: int) -> str:
+        return f'"{format_size(value)}/s"'
+
+
 class OptionalSize(Size):
     """A size that may be left out (None): e.g. a limit that is off unless set."""
 

@@ -19,6 +19,7 @@ from proxy.catalog import Entry
 from proxy.download import Download
 from proxy.http_semantics import (
     etag_of,
+    header_value_ok,
     http_date,
     if_range_holds,
     matches_etag,
@@ -200,7 +201,9 @@ async def blob(
     """Serve a stored entry. Raises FileNotFoundError if its blob is gone."""
     assert entry.sha256 is not None
     etag = etag_of(entry.sha256)
-    last_modified = entry.last_modified or http_date(entry.fetched_at_ms)
+    last_modified = entry.last_modified
+    if not last_modified or not header_value_ok(last_modified):
+        last_modified = http_date(entry.fetched_at_ms)
     headers = _base_headers(entry.content_type, extra)
     headers.append((b"etag", etag.encode()))
     headers.append((b"last-modified", last_modified.encode("latin-1")))
@@ -261,8 +264,11 @@ def _base_headers(content_type: str | None, extra: Mapping[str, str]) -> Headers
     """Content-Type (the adapter's choice in ``extra`` wins over the stored one) and extras."""
     headers: Headers = []
     if "content-type" not in extra:
-        content_type = content_type or "application/octet-stream"
-        headers.append((b"content-type", content_type.encode("latin-1")))
+        # A stored value that is not valid HTTP (kept before upstream headers were
+        # checked) is left out rather than failing every answer for this entry.
+        if not content_type or not header_value_ok(content_type):
+            content_type = "application/octet-stream"
+        headers.append((b"content-type", content_type.encode("ascii")))
     for name, value in extra.items():
         headers.append((name.lower().encode(), value.encode("latin-1")))
     return headers

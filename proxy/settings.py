@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
 from proxy.options import options_of
-from proxy.units import format_duration
+from proxy.units import format_duration, format_size
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_STORAGE_PATH = "./data"
@@ -23,7 +23,11 @@ DEFAULT_WORKERS = 1
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_RETRIES = 2
-DEFAULT_MAX_CONNECTIONS = 100
+DEFAULT_MAX_CONNECTIONS = 100  # per upstream host
+DEFAULT_TRANSFER_TIMEOUT_S = 4 * 3600.0  # a multi-GB artifact on a slow link fits
+DEFAULT_MIN_RATE = 4 * 1024  # bytes per second, averaged over the window below
+DEFAULT_MIN_RATE_WINDOW_S = 30.0
+DEFAULT_MIN_FREE = 512 * 2**20  # /readyz fails below this much free storage
 DEFAULT_LEASE_TTL_S = 15.0
 DEFAULT_LEASE_POLL_INTERVAL_S = 0.25
 DEFAULT_LEASE_RETENTION_S = 24 * 3600.0
@@ -50,6 +54,12 @@ class RepositorySettings(Generic[OptionsT]):
         return hasattr(self.options, "upstream")
 
     @property
+    def allow_hosts(self) -> tuple[str, ...]:
+        """Internal hosts this repository's upstream-listed URLs may reach (SSRF policy)."""
+        hosts: tuple[str, ...] = getattr(self.options, "allow_hosts", ())
+        return hosts
+
+    @property
     def upstream_setting(self) -> str:
         """What an operator sets to give this repository an upstream (for messages)."""
         env_var = upstream_env_var(self.name)
@@ -62,6 +72,9 @@ class UpstreamSettings:
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     retries: int = DEFAULT_RETRIES
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    min_rate: int = DEFAULT_MIN_RATE
+    min_rate_window_s: float = DEFAULT_MIN_RATE_WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,7 @@ class Settings:
     jobs: JobSettings
     repositories: tuple[RepositorySettings[Any], ...]
     source: str = "embedded defaults"
+    storage_min_free: int = DEFAULT_MIN_FREE
 
     def repository(self, name: str) -> RepositorySettings[Any] | None:
         for repo in self.repositories:
@@ -110,9 +124,13 @@ class Settings:
             f'url = "{hide_password(self.database_url)}"',
             "[storage]",
             f'path = "{self.storage_path}"',
+            f'min_free = "{format_size(self.storage_min_free)}"',
             "[upstream]",
             f'connect_timeout = "{format_duration(self.upstream.connect_timeout_s)}"',
             f'read_timeout = "{format_duration(self.upstream.read_timeout_s)}"',
+            f'transfer_timeout = "{format_duration(self.upstream.transfer_timeout_s)}"',
+            f'min_rate = "{format_size(self.upstream.min_rate)}/s"',
+            f'min_rate_window = "{format_duration(self.upstream.min_rate_window_s)}"',
             f"retries = {self.upstream.retries}",
             f"max_connections = {self.upstream.max_connections}",
             "[leases]",

@@ -7,8 +7,17 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.http_semantics import header_value_ok
+
 Digests = dict[str, str]
 """Digest name (``sha256``, ``sha1``, ``md5``, ``sha512``) -> lower-case hex."""
+
+KNOWN_DIGESTS = frozenset(
+    {"md5", "sha1", "sha224", "sha256", "sha384", "sha512", "sha3_224", "sha3_256"}
+    | {"sha3_384", "sha3_512", "blake2b", "blake2s"}
+)
+"""The digest names the proxy verifies; others an upstream lists (shake_128 has no fixed
+length, "foo" does not exist) are ignored, never an error."""
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -49,9 +58,11 @@ class Validators:
         return cls(headers.get("etag"), headers.get("last-modified"))
 
     def conditional_headers(self) -> dict[str, str]:
+        """If-None-Match / If-Modified-Since, leaving out a value that is not valid HTTP
+        (one stored before upstream headers were checked)."""
         headers = {}
-        if self.etag:
+        if self.etag and header_value_ok(self.etag):
             headers["If-None-Match"] = self.etag
-        if self.last_modified:
+        if self.last_modified and header_value_ok(self.last_modified):
             headers["If-Modified-Since"] = self.last_modified
         return headers

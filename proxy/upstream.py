@@ -1,5 +1,20 @@
-"""Talking to upstreams: one httpx client, streaming GETs, retries, error mapping; the
-engine's implementation of ``contract.UpstreamClient``.
+"""Talking to upstreams: the engine's ``contract.UpstreamClient`` (docs/architecture.md,
+"Upstream safety").
+
+One httpx client serves every repository; ``UpstreamPool.for_repository`` gives each
+repository an ``Upstream`` with that repository's SSRF policy (``ssrf.py``). What a
+hostile or broken upstream cannot do here:
+
+- hold a transfer forever: the response head must arrive within connect + read
+  timeout, the whole transfer within ``upstream.transfer_timeout``, and a body that
+  trickles below ``upstream.min_rate`` over a window fails (a per-read timeout alone
+  is reset by every byte);
+- starve other upstreams: concurrent transfers are bounded per upstream host
+  (``upstream.max_connections``); when a host's slots are full the request gets a 503
+  with Retry-After instead of queueing behind stuck transfers;
+- hand us header values that are not valid HTTP (they are dropped), bodies larger than
+  the caller's limit, or more buffered bytes than the process budget;
+- send us somewhere internal: every URL and every redirect hop is vetted.
 
 httpx errors are translated here, once, into ``UpstreamError`` subclasses. Only
 idempotent requests are sent, so connection failures and 429/5xx answers are retried
@@ -10,26 +25,36 @@ several), and nothing is retried once body bytes have been handed on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from email.utils import parsedate_to_datetime
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import httpx
 
 from proxy import __version__, metrics
 from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from proxy.http_semantics import header_value_ok
 from proxy.settings import UpstreamSettings
+from proxy.ssrf import AddressPolicy
+from proxy.units import format_duration, format_size
 
 log = logging.getLogger("proxy.upstream")
 
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 4.0
 RETRY_AFTER_MAX_S = 5.0
+BUSY_RETRY_AFTER_S = 5  # what a client is told when an upstream's slots are all taken
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+MAX_REDIRECTS = 10
+# Bodies read whole into memory (index pages, checksum files), all requests together:
+# past this, readers wait for each other instead of growing the process.
+BUFFERED_BODIES_MAX_BYTES = 256 * 1024 * 1024
 USER_AGENT = f"artifact-proxy/{__version__}"
 
 
@@ -40,45 +65,157 @@ def build_client(settings: UpstreamSettings) -> httpx.AsyncClient:
         write=settings.read_timeout_s,
         pool=settings.connect_timeout_s,
     )
-    limits = httpx.Limits(
-        max_connections=settings.max_connections,
-        max_keepalive_connections=min(settings.max_connections, 20),
-    )
+    # No total limit in httpx: transfers are bounded per upstream host by UpstreamPool,
+    # so a stuck host can fill only its own slots.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     return httpx.AsyncClient(
         timeout=timeout,
         limits=limits,
-        follow_redirects=True,
-        max_redirects=10,
+        follow_redirects=False,  # followed here, so every hop is vetted
         headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
     )
 
 
-class Upstream:
-    """Streaming GET/HEAD against upstream URLs with the proxy's retry policy."""
+class ByteBudget:
+    """Bytes that may be held in memory at once by bodies read whole."""
 
-    def __init__(self, client: httpx.AsyncClient, settings: UpstreamSettings) -> None:
-        self.client = client
-        self.retries = settings.retries
-        self.read_timeout_s = settings.read_timeout_s
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.available = capacity
+        self._changed = asyncio.Condition()
+
+    async def take(self, n_bytes: int, timeout_s: float) -> None:
+        async with self._changed:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._changed.wait_for(lambda: self.available >= n_bytes)
+            except TimeoutError:
+                raise UpstreamUnavailable(
+                    "too many large upstream pages are being read at once; retry",
+                    status=503,
+                    retry_after_s=BUSY_RETRY_AFTER_S,
+                ) from None
+            self.available -= n_bytes
+
+    async def give(self, n_bytes: int) -> None:
+        async with self._changed:
+            self.available += n_bytes
+            self._changed.notify_all()
+
+
+class UpstreamPool:
+    """The httpx client, and the transfer slots of every upstream host."""
+
+    def __init__(self, settings: UpstreamSettings, client: httpx.AsyncClient | None = None):
+        self.settings = settings
+        self.client = client or build_client(settings)
+        self.budget = ByteBudget(BUFFERED_BODIES_MAX_BYTES)
+        self._slots: dict[str, asyncio.Semaphore] = {}
+
+    def for_repository(
+        self, repository: str, upstreams: tuple[str, ...], allow_hosts: tuple[str, ...] = ()
+    ) -> Upstream:
+        return Upstream(self, AddressPolicy(repository, upstreams, allow_hosts))
+
+    @asynccontextmanager
+    async def slot(self, host: str) -> AsyncIterator[None]:
+        """One of ``host``'s transfer slots for as long as the transfer runs."""
+        limit = self.settings.max_connections
+        semaphore = self._slots.get(host)
+        if semaphore is None:
+            semaphore = self._slots[host] = asyncio.Semaphore(limit)
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout_s):
+                await semaphore.acquire()
+        except TimeoutError:
+            metrics.UPSTREAM_ERRORS.labels(host=host, reason="busy").inc()
+            raise UpstreamUnavailable(
+                f"upstream {host} already has {limit} transfers in progress "
+                "(upstream.max_connections); retry",
+                status=503,
+                retry_after_s=BUSY_RETRY_AFTER_S,
+            ) from None
+        try:
+            yield
+        finally:
+            semaphore.release()
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class Upstream:
+    """``contract.UpstreamClient`` of one repository: its policy, the shared pool."""
+
+    def __init__(self, pool: UpstreamPool, policy: AddressPolicy) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.settings = pool.settings
 
     @asynccontextmanager
     async def open(
         self, method: str, url: str, headers: Mapping[str, str] | None = None
     ) -> AsyncIterator[UpstreamAnswer]:
-        """Open ``method url``; retried on connection errors and 429/5xx. Statuses other
-        than those retried are returned as is; the caller reads the body (or not).
-        """
-        host = urlsplit(url).netloc
+        """Send ``method url``, following redirects (each hop vetted); retried on
+        connection errors and 429/5xx. Other statuses are returned as is; the caller
+        reads the body (or not) within the transfer deadline."""
+        deadline = time.monotonic() + self.settings.transfer_timeout_s
+        url = self.policy.without_credentials(url)
+        for _hop in range(MAX_REDIRECTS + 1):
+            host = urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
+            async with self.pool.slot(host):
+                response = await self._send(method, url, headers)
+                location = response.headers.get("location")
+                if response.status_code in REDIRECT_STATUSES and location:
+                    await response.aclose()
+                    try:
+                        url = self.policy.without_credentials(urljoin(url, location))
+                    except ValueError:
+                        raise UpstreamUnavailable(
+                            f"upstream {host} redirected to a malformed URL {location!r}"
+                        ) from None
+                    if response.status_code == 303 and method != "HEAD":
+                        method = "GET"
+                    continue
+                try:
+                    yield UpstreamAnswer(response, url, self, deadline)
+                finally:
+                    await response.aclose()
+                return
+        raise UpstreamUnavailable(f"upstream redirected more than {MAX_REDIRECTS} times: {url}")
+
+    async def _send(
+        self, method: str, url: str, headers: Mapping[str, str] | None
+    ) -> httpx.Response:
+        host = urlsplit(url).netloc.rsplit("@", 1)[-1]
         attempt = 0
         while True:
-            request = self.client.build_request(method, url, headers=headers)
+            target = await self.policy.vet(url)
+            request_headers = dict(headers or {})
+            if target.host_header is not None:
+                request_headers["Host"] = target.host_header
+            extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
             try:
-                response = await self.client.send(request, stream=True)
+                request = self.pool.client.build_request(
+                    method, target.url, headers=request_headers, extensions=extensions
+                )
+            except (httpx.HTTPError, ValueError) as exc:  # e.g. a header we cannot encode
+                raise UpstreamUnavailable(f"cannot ask upstream {host}: {exc}") from exc
+            head_timeout_s = self.settings.connect_timeout_s + self.settings.read_timeout_s
+            try:
+                # The whole response head, however slowly it trickles in.
+                async with asyncio.timeout(head_timeout_s):
+                    response = await self.pool.client.send(request, stream=True)
+            except TimeoutError as exc:
+                metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
+                raise UpstreamTimeout(
+                    f"upstream {host} sent no complete response head within "
+                    f"{format_duration(head_timeout_s)}"
+                ) from exc
             except httpx.TimeoutException as exc:
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
-                if (
-                    isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout)
-                    and attempt < self.retries
+                if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout) and attempt < (
+                    self.settings.retries
                 ):
                     attempt += 1
                     await asyncio.sleep(_backoff_s(attempt))
@@ -86,43 +223,44 @@ class Upstream:
                 raise UpstreamTimeout(f"upstream {host} timed out ({type(exc).__name__})") from exc
             except httpx.TransportError as exc:
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="connect").inc()
-                if (
-                    isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError)
-                    and attempt < self.retries
+                if isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError) and attempt < (
+                    self.settings.retries
                 ):
                     attempt += 1
                     await asyncio.sleep(_backoff_s(attempt))
                     continue
                 raise UpstreamUnavailable(f"upstream {host} unreachable: {exc!r}") from exc
-            except httpx.HTTPError as exc:  # e.g. TooManyRedirects, InvalidURL
+            except httpx.HTTPError as exc:  # e.g. InvalidURL
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="protocol").inc()
                 raise UpstreamUnavailable(f"upstream {host}: {exc}") from exc
-            if response.status_code in RETRY_STATUSES:
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason=str(response.status_code)).inc()
-                retry_after = _retry_after_s(response.headers.get("retry-after"))
-                await response.aclose()
-                if attempt < self.retries:
-                    attempt += 1
-                    await asyncio.sleep(min(retry_after or _backoff_s(attempt), RETRY_AFTER_MAX_S))
-                    continue
-                status = 503 if response.status_code in (429, 503) else 502
-                raise UpstreamUnavailable(
-                    f"upstream {host} answered {response.status_code} for {url}",
-                    status=status,
-                    retry_after_s=retry_after,
-                )
-            try:
-                yield UpstreamAnswer(response)
-            finally:
-                await response.aclose()
-            return
+            if response.status_code not in RETRY_STATUSES:
+                return response
+            metrics.UPSTREAM_ERRORS.labels(host=host, reason=str(response.status_code)).inc()
+            retry_after = _retry_after_s(response.headers.get("retry-after"))
+            await response.aclose()
+            if attempt < self.settings.retries:
+                attempt += 1
+                await asyncio.sleep(min(retry_after or _backoff_s(attempt), RETRY_AFTER_MAX_S))
+                continue
+            status = 503 if response.status_code in (429, 503) else 502
+            raise UpstreamUnavailable(
+                f"upstream {host} answered {response.status_code} for {url}",
+                status=status,
+                retry_after_s=retry_after,
+            )
 
 
 class UpstreamAnswer:
     """``contract.UpstreamResponse`` over an httpx response whose body is unread."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(
+        self, response: httpx.Response, url: str, upstream: Upstream, deadline: float
+    ) -> None:
         self._response = response
+        self._url = url
+        self._upstream = upstream
+        self._deadline = deadline
+        self._headers = clean_headers(response.headers)
 
     @property
     def status(self) -> int:
@@ -130,55 +268,118 @@ class UpstreamAnswer:
 
     @property
     def headers(self) -> Mapping[str, str]:
-        return self._response.headers
+        return self._headers
 
     @property
     def url(self) -> str:
-        return str(self._response.url)
+        return self._url
 
     @property
     def length(self) -> int | None:
         return content_length(self._response)
 
-    def body(self) -> AsyncIterator[bytes]:
-        return iter_body(self._response)
+    @property
+    def host(self) -> str:
+        return urlsplit(self._url).netloc.rsplit("@", 1)[-1]
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; ``UpstreamError`` if it breaks off, stalls, trickles
+        below ``upstream.min_rate``, outlives ``upstream.transfer_timeout`` or is not as
+        long as its Content-Length said."""
+        settings = self._upstream.settings
+        host = self.host
+        expected = self.length
+        received = 0
+        window_s = settings.min_rate_window_s
+        window_start = time.monotonic()
+        window_bytes = 0
+        chunks = self._response.aiter_bytes()
+        while True:
+            try:
+                async with asyncio.timeout_at(_loop_deadline(self._deadline)):
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except TimeoutError as exc:
+                metrics.UPSTREAM_ERRORS.labels(host=host, reason="deadline").inc()
+                raise UpstreamTimeout(
+                    f"upstream {host} did not finish within upstream.transfer_timeout "
+                    f"({format_duration(settings.transfer_timeout_s)}): {received} bytes"
+                ) from exc
+            except httpx.TimeoutException as exc:
+                metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
+                raise UpstreamTimeout(
+                    f"upstream {host} stopped sending ({type(exc).__name__})"
+                ) from exc
+            except httpx.HTTPError as exc:
+                metrics.UPSTREAM_ERRORS.labels(host=host, reason="truncated").inc()
+                raise UpstreamUnavailable(f"upstream {host} broke off the body: {exc!r}") from exc
+            received += len(chunk)
+            window_bytes += len(chunk)
+            if expected is not None and received > expected:
+                metrics.UPSTREAM_ERRORS.labels(host=host, reason="truncated").inc()
+                raise UpstreamUnavailable(
+                    f"upstream {host} sent more than the {expected} bytes it announced"
+                )
+            now = time.monotonic()
+            if now - window_start >= window_s:
+                if window_bytes < settings.min_rate * (now - window_start):
+                    metrics.UPSTREAM_ERRORS.labels(host=host, reason="too_slow").inc()
+                    raise UpstreamTimeout(
+                        f"upstream {host} sent {window_bytes} bytes in "
+                        f"{now - window_start:.0f} s, under upstream.min_rate "
+                        f"({format_size(settings.min_rate)}/s)"
+                    )
+                window_start, window_bytes = now, 0
+            yield chunk
+        if expected is not None and received != expected:
+            metrics.UPSTREAM_ERRORS.labels(host=host, reason="truncated").inc()
+            raise UpstreamUnavailable(
+                f"upstream {host} sent {received} of {expected} bytes for {self._url}"
+            )
 
     async def read(self, limit: int) -> bytes:
-        return await read_body(self._response, limit)
+        """The whole body, refusing more than ``limit`` bytes; held against the process's
+        budget for bodies in memory while it is read."""
+        expected = self.length
+        if expected is not None and expected > limit:
+            raise UpstreamUnavailable(
+                f"upstream body for {self._url} is {expected} bytes, over the "
+                f"{format_size(limit)} limit"
+            )
+        budget = self._upstream.pool.budget
+        wait_s = self._upstream.settings.read_timeout_s
+        reserved = 0
+        chunks = []
+        try:
+            async for chunk in self.body():
+                if reserved + len(chunk) > limit:
+                    raise UpstreamUnavailable(
+                        f"upstream body for {self._url} exceeds the {format_size(limit)} limit"
+                    )
+                await budget.take(len(chunk), wait_s)
+                reserved += len(chunk)
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            # The caller now owns the bytes; the budget bounds what is still arriving.
+            await budget.give(reserved)
 
 
-async def iter_body(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The decoded body, with transport errors translated; checks Content-Length."""
-    host = response.request.url.netloc.decode()
-    expected = content_length(response)
-    received = 0
-    try:
-        async for chunk in response.aiter_bytes():
-            received += len(chunk)
-            yield chunk
-    except httpx.TimeoutException as exc:
-        metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
-        raise UpstreamTimeout(f"upstream {host} stopped sending ({type(exc).__name__})") from exc
-    except httpx.HTTPError as exc:
-        metrics.UPSTREAM_ERRORS.labels(host=host, reason="truncated").inc()
-        raise UpstreamUnavailable(f"upstream {host} broke off the body: {exc!r}") from exc
-    if expected is not None and received != expected:
-        metrics.UPSTREAM_ERRORS.labels(host=host, reason="truncated").inc()
-        raise UpstreamUnavailable(
-            f"upstream {host} sent {received} of {expected} bytes for {response.request.url}"
-        )
-
-
-async def read_body(response: httpx.Response, limit: int) -> bytes:
-    """The whole body, refusing more than ``limit`` bytes (index pages, checksum files)."""
-    chunks = []
-    size = 0
-    async for chunk in iter_body(response):
-        size += len(chunk)
-        if size > limit:
-            raise UpstreamError(f"upstream body for {response.request.url} exceeds {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def clean_headers(headers: httpx.Headers) -> dict[str, str]:
+    """Lower-case names -> values, without any value that is not valid HTTP (control
+    characters, non-ASCII text): such a value would be refused when we send it on."""
+    cleaned: dict[str, str] = {}
+    for raw_name, raw_value in headers.raw:
+        try:
+            name = raw_name.decode("ascii").lower()
+            value = raw_value.decode("ascii")
+        except UnicodeDecodeError:
+            continue
+        if not header_value_ok(value):
+            continue
+        cleaned[name] = f"{cleaned[name]}, {value}" if name in cleaned else value
+    return cleaned
 
 
 def content_length(response: httpx.Response) -> int | None:
@@ -186,9 +387,14 @@ def content_length(response: httpx.Response) -> int | None:
     if response.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
         return None
     value = response.headers.get("content-length")
-    if value is None or not value.isdigit():
+    if value is None or not value.isascii() or not value.isdigit():
         return None
     return int(value)
+
+
+def _loop_deadline(monotonic_deadline: float) -> float:
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())
 
 
 def _backoff_s(attempt: int) -> float:
@@ -199,10 +405,12 @@ def _backoff_s(attempt: int) -> float:
 def _retry_after_s(value: str | None) -> float | None:
     if not value:
         return None
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         return float(value)
-    try:
+    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, float(when.timestamp()) - time.time())
+        return max(0.0, float(when.timestamp()) - time.time())
+    return None
+
+
+__all__ = ["Upstream", "UpstreamAnswer", "UpstreamError", "UpstreamPool", "build_client"]

@@ -66,7 +66,7 @@ async def test_a_won_lease_is_released_when_the_next_read_fails(tmp_path: Path) 
             raise AssertionError("the fetch must not start")
 
     spec = FetchSpec("k", Kind.IMMUTABLE, NeverOpened())  # type: ignore[arg-type]
-    context = OriginContext(upstream=None, links=None, get=None)  # type: ignore[arg-type]
+    context = OriginContext(upstream=None, links=None, get=None, compute=None)  # type: ignore[arg-type]
     catalog.fail_next.add("get_entry")  # the re-check right after the claim
     with pytest.raises(CatalogError):
         await fetcher.fetch(Miss("r", "pypi", spec, context), stale=None)

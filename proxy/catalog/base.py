@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from proxy.blocking import run_blocking
 from proxy.catalog import Entry, LeaseGrant, LeaseRow, Usage, entry_from_row, entry_to_row
 from proxy.catalog.queries import Queries
 from proxy.clock import Clock
@@ -101,17 +102,9 @@ class SqlCatalog:
 
     async def put_links(self, links: Sequence[Link]) -> None:
         if links:
-            batch = [
-                {
-                    "repository": link.repository,
-                    "key": link.key,
-                    "url": link.url,
-                    "digests": link.digests,
-                    "size": link.size,
-                }
-                for link in links
-            ]
-            await self._execute("upsert_links", json.dumps(batch), self.clock.now_ms())
+            # A project page can list 100,000 files: encode off the event loop.
+            batch = await run_blocking(_links_json, links)
+            await self._execute("upsert_links", batch, self.clock.now_ms())
 
     async def get_link(self, repository: str, key: str) -> Link | None:
         row = await self._fetchrow("select_link", repository, key)
@@ -156,3 +149,18 @@ class SqlCatalog:
 
     async def give_back_job_run(self, name: str, run_id: int) -> None:
         await self._execute("give_back_job_run", name, run_id)
+
+
+def _links_json(links: Sequence[Link]) -> str:
+    return json.dumps(
+        [
+            {
+                "repository": link.repository,
+                "key": link.key,
+                "url": link.url,
+                "digests": link.digests,
+                "size": link.size,
+            }
+            for link in links
+        ]
+    )

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 
 from proxy.contract import (
     BadRequest,
+    Choice,
     Digests,
     Duration,
     Fetched,
     FetchSpec,
     FormatContext,
     FormatPlugin,
+    Hosts,
     Kind,
     NotConfigured,
     NotFound,
@@ -127,6 +129,11 @@ class MavenOptions:
     metadata_ttl_s: float = option(Duration(), 1800.0, key="metadata_ttl")
     snapshot_ttl_s: float = option(Duration(), 60.0, key="snapshot_ttl")
     negative_ttl_s: float = option(Duration(), 300.0, key="negative_ttl")
+    # "warn": an artifact whose upstream publishes no checksum at all (404) is stored and
+    # logged as unverified; "require": it is refused (502). A checksum file that could
+    # not be read (5xx, timeout) stores nothing in either case: a later request verifies.
+    checksum_policy: str = option(Choice("warn", "require"), "warn")
+    allow_hosts: tuple[str, ...] = option(Hosts(), ())
 
 
 class MavenRepository:
@@ -178,7 +185,10 @@ class MavenRepository:
             key=maven_path.path,
             kind=maven_path.kind,
             origin=MavenOrigin(
-                self.options.upstream, maven_path.path, verify=maven_path.kind is Kind.IMMUTABLE
+                self.options.upstream,
+                maven_path.path,
+                verify=maven_path.kind is Kind.IMMUTABLE,
+                require_checksum=self.options.checksum_policy == "require",
             ),
             ttl_s=ttl_s,
             negative_ttl_s=self.options.negative_ttl_s,
@@ -229,10 +239,13 @@ class MavenRepository:
 class MavenOrigin:
     """Tries each upstream in order; verifies artifacts against upstream checksums."""
 
-    def __init__(self, upstreams: tuple[str, ...], path: str, verify: bool) -> None:
+    def __init__(
+        self, upstreams: tuple[str, ...], path: str, verify: bool, require_checksum: bool = False
+    ) -> None:
         self.upstreams = upstreams
         self.path = path
         self.verify = verify
+        self.require_checksum = require_checksum
 
     @asynccontextmanager
     async def open(self, ctx: OriginContext, stale: Validators | None) -> AsyncIterator[Fetched]:
@@ -296,21 +309,26 @@ class MavenOrigin:
     async def _upstream_checksums(self, upstream: UpstreamClient, base: str) -> Digests:
         """The strongest checksum the upstream publishes for the file, as Resolver uses it.
 
-        Sidecars that are missing, unreadable or garbled count as absent (old
-        repositories carry some wrong .md5 files beside good .sha1 files).
+        A sidecar that is missing (404) or garbled counts as absent (old repositories
+        carry some wrong .md5 files beside good .sha1 files). If none is usable: when
+        one of them could not be read at all (5xx, timeout), nothing is stored, so a
+        later request can still verify the file; when all are absent, the file is
+        stored unverified (and logged), unless the policy requires a checksum.
         """
+        failures: list[str] = []
 
         async def one(extension: str, algorithm: str) -> str | None:
             url = base + self.path + extension
             try:
                 async with upstream.open("GET", url) as response:
+                    if response.status in NOT_FOUND_STATUSES:
+                        return None
                     if response.status != 200:
-                        if response.status not in NOT_FOUND_STATUSES:
-                            log.warning("checksum %s answered %d; ignored", url, response.status)
+                        failures.append(f"{url} answered {response.status}")
                         return None
                     body = await response.read(CHECKSUM_BODY_LIMIT_BYTES)
             except UpstreamError as exc:
-                log.warning("checksum %s unavailable (%s); ignored", url, exc)
+                failures.append(f"{url}: {exc}")
                 return None
             value = parse_checksum(body, algorithm)
             if value is None:
@@ -319,11 +337,22 @@ class MavenOrigin:
 
         algorithms = list(CHECKSUM_EXTENSIONS.items())
         found = await asyncio.gather(*(one(ext, alg) for ext, alg in algorithms))
+        by_algorithm = dict(zip((alg for _, alg in algorithms), found, strict=True))
         for algorithm in CHECKSUM_STRENGTH:
-            value = dict(zip((alg for _, alg in algorithms), found, strict=True)).get(algorithm)
+            value = by_algorithm.get(algorithm)
             if value is not None:
                 return {algorithm: value}
-        log.warning("no usable upstream checksum for %s in %s; stored unverified", self.path, base)
+        if failures:
+            raise UpstreamUnavailable(
+                f"{self.path}: its checksum files could not be read ({'; '.join(failures)}); "
+                "nothing was stored, retry later"
+            )
+        if self.require_checksum:
+            raise UpstreamUnavailable(
+                f"{self.path}: {base} publishes no checksum for it, and this repository's "
+                "checksum_policy is 'require'"
+            )
+        log.warning("no upstream checksum for %s in %s; stored unverified", self.path, base)
         return {}
 
 

@@ -21,6 +21,7 @@ from proxy.contract import (
     FetchSpec,
     FormatContext,
     FormatPlugin,
+    Hosts,
     Kind,
     Link,
     NotConfigured,
@@ -29,6 +30,7 @@ from proxy.contract import (
     RepositorySettings,
     Request,
     Response,
+    Size,
     Status,
     UpstreamUnavailable,
     Urls,
@@ -41,7 +43,9 @@ from proxy.formats import simple_index as si
 
 log = logging.getLogger("proxy.pypi")
 
-INDEX_BODY_LIMIT_BYTES = 256 * 1024 * 1024
+# A real index's root page lists ~600,000 projects (tens of MB); project pages are far
+# smaller. Larger pages are refused (502) before they are read whole.
+DEFAULT_MAX_INDEX_SIZE = 64 * 2**20
 NOT_FOUND_STATUSES = (404, 410)
 
 
@@ -50,6 +54,8 @@ class PypiOptions:
     upstream: tuple[str, ...] = option(Urls(max_count=1), ())  # a PEP 503/691 index
     metadata_ttl_s: float = option(Duration(), 600.0, key="metadata_ttl")
     negative_ttl_s: float = option(Duration(), 60.0, key="negative_ttl")
+    max_index_size: int = option(Size(), DEFAULT_MAX_INDEX_SIZE)
+    allow_hosts: tuple[str, ...] = option(Hosts(), ())
 
 
 class PypiRepository:
@@ -122,7 +128,9 @@ class PypiRepository:
         return FetchSpec(
             key=f"{page}#{representation}",
             kind=Kind.METADATA,
-            origin=IndexOrigin(self.name, url, project, representation),
+            origin=IndexOrigin(
+                self.name, url, project, representation, self.options.max_index_size
+            ),
             ttl_s=self.options.metadata_ttl_s,
             negative_ttl_s=self.options.negative_ttl_s,
             stream=False,
@@ -148,13 +156,25 @@ class PypiRepository:
 
 
 class IndexOrigin:
-    """Fetches one upstream index page, records its links, renders our page."""
+    """Fetches one upstream index page, records its links, renders our page.
 
-    def __init__(self, repository: str, url: str, project: str | None, representation: str):
+    Parsing and rendering run in ``ctx.compute``'s threads: a root page of 600,000
+    projects or a project page of 100,000 files must not stall the event loop.
+    """
+
+    def __init__(
+        self,
+        repository: str,
+        url: str,
+        project: str | None,
+        representation: str,
+        max_size: int,
+    ) -> None:
         self.repository = repository
         self.url = url
         self.project = project
         self.representation = representation
+        self.max_size = max_size
 
     @asynccontextmanager
     async def open(self, ctx: OriginContext, stale: Validators | None) -> AsyncIterator[Fetched]:
@@ -173,18 +193,24 @@ class IndexOrigin:
                 return
             if status != 200:
                 raise UpstreamUnavailable(f"upstream index answered {status} for {self.url}")
-            body = await response.read(INDEX_BODY_LIMIT_BYTES)
+            body = await response.read(self.max_size)
             content_type = response.headers.get("content-type", "text/html").lower()
             try:
                 if self.project is None:
-                    rendered = si.render_root(
-                        si.parse_root(body, content_type), self.representation
+                    rendered = await ctx.compute(
+                        _root_page, body, content_type, self.representation
                     )
                 else:
-                    page = si.parse_project(body, content_type, response.url, self.project)
-                    page.files = [f for f in page.files if _keep_file(f, self.project)]
-                    await ctx.links.record(self._links(self.project, page))
-                    rendered = si.render_project(page, self.project, self.representation)
+                    rendered, links = await ctx.compute(
+                        _project_page,
+                        body,
+                        content_type,
+                        response.url,
+                        self.repository,
+                        self.project,
+                        self.representation,
+                    )
+                    await ctx.links.record(links)
             except si.IndexFormatError as exc:
                 raise UpstreamUnavailable(
                     f"upstream page {self.url} is not a simple index: {exc}"
@@ -197,15 +223,30 @@ class IndexOrigin:
                 validators=validators,
             )
 
-    def _links(self, project: str, page: si.ProjectPage) -> list[Link]:
-        links = []
-        for f in page.files:
-            key = f"files/{project}/{f.filename}"
-            links.append(Link(self.repository, key, f.url, f.hashes, f.size))
-            if f.core_metadata:
-                digests = f.core_metadata if isinstance(f.core_metadata, dict) else {}
-                links.append(Link(self.repository, key + ".metadata", _sidecar_url(f.url), digests))
-        return links
+
+def _root_page(body: bytes, content_type: str, representation: str) -> bytes:
+    return si.render_root(si.parse_root(body, content_type), representation)
+
+
+def _project_page(
+    body: bytes,
+    content_type: str,
+    page_url: str,
+    repository: str,
+    project: str,
+    representation: str,
+) -> tuple[bytes, list[Link]]:
+    """Our rendering of an upstream project page, and the links to record (a thread)."""
+    page = si.parse_project(body, content_type, page_url, project)
+    page.files = [f for f in page.files if _keep_file(f, project)]
+    links = []
+    for f in page.files:
+        key = f"files/{project}/{f.filename}"
+        links.append(Link(repository, key, f.url, f.hashes, f.size))
+        if f.core_metadata:
+            digests = f.core_metadata if isinstance(f.core_metadata, dict) else {}
+            links.append(Link(repository, key + ".metadata", _sidecar_url(f.url), digests))
+    return si.render_project(page, project, representation), links
 
 
 class FileOrigin:

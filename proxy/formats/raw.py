@@ -23,6 +23,7 @@ from proxy.contract import (
     FormatContext,
     FormatPlugin,
     Globs,
+    Hosts,
     Kind,
     NotConfigured,
     NotFound,
@@ -57,6 +58,7 @@ class RawOptions:
     mutable: tuple[str, ...] = option(Globs(), ())
     metadata_ttl_s: float = option(Duration(), 600.0, key="metadata_ttl")
     negative_ttl_s: float = option(Duration(), 60.0, key="negative_ttl")
+    allow_hosts: tuple[str, ...] = option(Hosts(), ())
 
 
 class RawRepository:

@@ -17,6 +17,8 @@ from html.parser import HTMLParser
 from typing import Any
 from urllib.parse import quote, urldefrag, urljoin
 
+from proxy.contract import KNOWN_DIGESTS
+
 JSON_V1 = "application/vnd.pypi.simple.v1+json"
 HTML_V1 = "application/vnd.pypi.simple.v1+html"
 TEXT_HTML = "text/html"
@@ -34,7 +36,7 @@ log = logging.getLogger("proxy.pypi")
 CONTENT_TYPES = {JSON_V1: JSON_V1, HTML_V1: HTML_V1, TEXT_HTML: "text/html; charset=utf-8"}
 
 _PROJECT_NAME_RE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
-_HEX_RE = re.compile(r"[0-9a-fA-F]+")  # used with fullmatch
+_HEX_RE = re.compile(r"[0-9a-fA-F]{1,128}")  # used with fullmatch
 _HASH_NAMES = ("sha256", "sha512", "sha384", "sha224", "sha1", "md5")
 
 
@@ -160,22 +162,69 @@ def parse_project(body: bytes, content_type: str, page_url: str, name: str) -> P
 
 
 def parse_root(body: bytes, content_type: str) -> RootPage:
+    """The project names of a root page. Lean on memory: a real root page lists some
+    600,000 projects, so only their names are kept, never a dict per project."""
     if "json" in content_type:
-        data = _load_json(body)
+        data = _load_json(body, object_pairs_hook=_project_name_or_dict)
         projects = data.get("projects")
         if not isinstance(projects, list):
             raise IndexFormatError("JSON root page has no 'projects' list")
-        return RootPage([str(p["name"]) for p in projects if isinstance(p, dict) and "name" in p])
-    parser = _AnchorParser()
-    parser.feed(body.decode("utf-8", errors="replace"))
-    return RootPage([text.strip() for _, text in parser.anchors if text.strip()])
+        return RootPage([p for p in projects if isinstance(p, _ProjectName)])
+    parser = _AnchorTextParser()
+    _feed(parser, body)
+    return RootPage(parser.texts)
 
 
-def _load_json(body: bytes) -> dict[str, Any]:
+class _ProjectName(str):
+    """A project entry of a JSON root page, reduced to its name while parsing."""
+
+
+def _project_name_or_dict(pairs: list[tuple[str, Any]]) -> Any:
+    for key, value in pairs:
+        if key == "name" and isinstance(value, str) and value:
+            return _ProjectName(value)
+    return dict(pairs)
+
+
+class _AnchorTextParser(HTMLParser):
+    """The text of every ``<a>``, and nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.texts: list[str] = []
+        self._text: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self._text = []
+
+    def handle_data(self, data: str) -> None:
+        if self._text is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "a" and self._text is not None:
+            text = "".join(self._text).strip()
+            if text:
+                self.texts.append(text)
+            self._text = None
+
+
+def _feed(parser: HTMLParser, body: bytes) -> None:
+    """Feed in slices, so no second copy of a large page is held as one string."""
+    step = 1 << 20
+    for start in range(0, len(body), step):
+        parser.feed(body[start : start + step].decode("utf-8", errors="replace"))
+    parser.close()
+
+
+def _load_json(body: bytes, **options: Any) -> dict[str, Any]:
     try:
-        data = json.loads(body)
+        data = json.loads(body, **options)
     except (ValueError, UnicodeDecodeError) as exc:
         raise IndexFormatError(f"invalid JSON: {exc}") from exc
+    except RecursionError:
+        raise IndexFormatError("JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise IndexFormatError("JSON page is not an object")
     return data
@@ -243,7 +292,7 @@ def _size(value: object) -> int | None:
 
 def _parse_project_html(body: bytes, page_url: str, name: str) -> ProjectPage:
     parser = _AnchorParser()
-    parser.feed(body.decode("utf-8", errors="replace"))
+    _feed(parser, body)
     base = page_url
     if parser.base_href:
         resolved_base = _resolve(page_url, parser.base_href)
@@ -308,18 +357,19 @@ class _AnchorParser(HTMLParser):
 
 def _fragment_hashes(fragment: str) -> dict[str, str]:
     name, sep, value = fragment.partition("=")
-    if sep and name.lower() in _HASH_NAMES and _HEX_RE.fullmatch(value):
+    if sep and name.lower() in KNOWN_DIGESTS and _HEX_RE.fullmatch(value):
         return {name.lower(): value.lower()}
     return {}
 
 
 def _clean_hashes(raw: object) -> dict[str, str]:
+    """Hex digests under names the proxy knows; anything else is dropped, not an error."""
     if not isinstance(raw, dict):
         return {}
     return {
-        str(k).lower(): str(v).lower()
+        str(k).lower(): v.lower()
         for k, v in raw.items()
-        if isinstance(v, str) and _HEX_RE.fullmatch(v)
+        if str(k).lower() in KNOWN_DIGESTS and isinstance(v, str) and _HEX_RE.fullmatch(v)
     }
 
 

@@ -1,0 +1,165 @@
+"""Which upstream URLs a repository may fetch: the SSRF policy (docs/architecture.md,
+"Upstream safety").
+
+Index pages list files on other hosts (real indexes do this), and upstreams redirect.
+A listed URL or a redirect that leads to an internal address (loopback, private,
+link-local, cloud metadata, anything not globally routable) is refused, unless its
+origin is one of the repository's own configured upstreams or it matches the
+repository's ``allow_hosts``. The address that is checked is the one we connect to:
+names are resolved here and the connection is pinned to the vetted address (the Host
+header and TLS name stay the original), so a name cannot resolve to a public address
+when checked and to an internal one when used. Credentials written into a listed URL
+are never sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from dataclasses import dataclass
+from urllib.parse import SplitResult, urlsplit, urlunsplit
+
+from proxy.exceptions import UpstreamUnavailable
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# Addresses no upstream-listed URL may reach, however is_global judges them.
+CLOUD_METADATA = frozenset(
+    ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where to send one request: the URL to connect to and the name to present."""
+
+    url: str  # possibly with the host replaced by the vetted address
+    host_header: str | None  # the original host[:port], when the URL was pinned
+    sni_hostname: str | None  # the original name for TLS, when the URL was pinned
+
+
+def address_kind(address: IPAddress) -> str | None:
+    """Why an address is internal ("loopback", "private", ...), or None if it is public."""
+    embedded = _embedded_ipv4(address)
+    if embedded is not None:
+        return address_kind(embedded)
+    if address in CLOUD_METADATA:
+        return "cloud metadata"
+    if address.is_loopback:
+        return "loopback"
+    if address.is_link_local:
+        return "link-local"
+    if address.is_unspecified:
+        return "unspecified"
+    if address.is_multicast:
+        return "multicast"
+    if address.is_private:
+        return "private"
+    if not address.is_global:
+        return "reserved"
+    return None
+
+
+def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    if isinstance(address, ipaddress.IPv6Address):
+        return address.ipv4_mapped or address.sixtofour or (address.teredo or (None, None))[1]
+    return None
+
+
+class AddressPolicy:
+    """The SSRF policy of one repository."""
+
+    def __init__(
+        self, repository: str, upstreams: tuple[str, ...], allow_hosts: tuple[str, ...] = ()
+    ) -> None:
+        self.repository = repository
+        self.upstreams = upstreams
+        self.trusted_origins = {_origin(urlsplit(u)) for u in upstreams}
+        self.allowed_names: set[str] = set()
+        self.allowed_suffixes: list[str] = []
+        self.allowed_networks: list[IPNetwork] = []
+        for entry in allow_hosts:
+            try:
+                self.allowed_networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                if entry.startswith("*."):
+                    self.allowed_suffixes.append(entry[1:].lower())
+                else:
+                    self.allowed_names.add(entry.lower())
+
+    def without_credentials(self, url: str) -> str:
+        """``url`` minus any ``user:password@``, unless it is one of our own upstreams'."""
+        parts = urlsplit(url)
+        if "@" not in parts.netloc or any(url.startswith(u) for u in self.upstreams):
+            return url
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        return urlunsplit(parts._replace(netloc=netloc))
+
+    async def vet(self, url: str) -> Target:
+        """Check where ``url`` leads; raises ``UpstreamUnavailable`` (502) naming the rule."""
+        try:
+            parts = urlsplit(url)
+            port = parts.port or DEFAULT_PORTS.get(parts.scheme)
+        except ValueError:
+            raise self._refuse(url, "it is not a valid URL") from None
+        host = (parts.hostname or "").lower()
+        if parts.scheme not in DEFAULT_PORTS or not host or port is None:
+            raise self._refuse(url, "only http and https URLs with a host are fetched")
+        if _origin(parts) in self.trusted_origins:
+            return Target(url, None, None)  # the operator chose this upstream: as configured
+        named_ok = host in self.allowed_names or any(
+            host.endswith(s) for s in self.allowed_suffixes
+        )
+        addresses = await _resolve(host, port, url, self)
+        for address in addresses:
+            kind = address_kind(address)
+            if kind is None or named_ok or any(address in n for n in self.allowed_networks):
+                continue
+            raise self._refuse(
+                url,
+                f"{host} resolves to {address}, a {kind} address (not one of this "
+                f"repository's upstreams; to allow it, add the host to "
+                f"repositories.{self.repository}.allow_hosts)",
+            )
+        pinned = addresses[0]
+        literal = f"[{pinned}]" if pinned.version == 6 else str(pinned)
+        netloc = f"{literal}:{port}" if parts.port else literal
+        host_header = parts.netloc.rsplit("@", 1)[-1]
+        return Target(
+            urlunsplit(parts._replace(netloc=netloc)),
+            host_header,
+            host if parts.scheme == "https" else None,
+        )
+
+    def _refuse(self, url: str, why: str) -> UpstreamUnavailable:
+        shown = self.without_credentials(url)
+        return UpstreamUnavailable(f"refused to fetch {shown}: {why}", status=502)
+
+
+async def _resolve(host: str, port: int, url: str, policy: AddressPolicy) -> list[IPAddress]:
+    try:
+        return [ipaddress.ip_address(host.strip("[]"))]
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise UpstreamUnavailable(f"upstream {host} cannot be resolved: {exc}") from exc
+    addresses: list[IPAddress] = []
+    for info in infos:
+        address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        if address not in addresses:
+            addresses.append(address)
+    if not addresses:
+        raise UpstreamUnavailable(f"upstream {host} has no address")
+    return addresses
+
+
+def _origin(parts: SplitResult) -> tuple[str, str, int | None]:
+    try:
+        port = parts.port or DEFAULT_PORTS.get(parts.scheme)
+    except ValueError:
+        port = None
+    return parts.scheme, (parts.hostname or "").lower(), port
