@@ -35,10 +35,12 @@ from proxy.exceptions import (
     StorageError,
     UpstreamError,
     UpstreamUnavailable,
+    describe_os_error,
 )
 from proxy.paths import check_headers, split_path
 from proxy.settings import Settings
 from proxy.types import Receive, Scope, Send
+from proxy.units import format_size
 
 log = logging.getLogger("proxy.app")
 
@@ -219,8 +221,15 @@ async def readyz(request: StarletteRequest) -> Response:
         problems.append(f"catalog: {exc or 'timed out'}")
     try:
         await run_blocking(state.blobs.check_writable)
+        free = await run_blocking(state.blobs.free_bytes)
     except OSError as exc:
-        problems.append(f"storage: {exc}")
+        problems.append(f"storage: cannot write ({describe_os_error(exc)})")
+    else:
+        floor = state.settings.storage_min_free
+        if free < floor:
+            problems.append(
+                f"storage: {format_size(free)} free, under storage.min_free ({format_size(floor)})"
+            )
     if state.tasks.closing:
         problems.append("shutting down")
     if problems:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import hashlib
 import os
@@ -17,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from proxy import metrics
 from proxy.blocking import run_blocking
 from proxy.exceptions import StorageError
 from proxy.types import Digests
@@ -77,7 +79,7 @@ class TempBlob:
             try:
                 await asyncio.shield(pending)
             except OSError as exc:
-                raise StorageError(f"writing {self.path} failed: {exc}") from exc
+                raise storage_error(f"writing {self.path}", "write", exc) from exc
             self._pending = None
 
     def digests(self) -> Digests:
@@ -94,7 +96,7 @@ class TempBlob:
         try:
             await run_blocking(os.fsync, self._fd)
         except OSError as exc:
-            raise StorageError(f"syncing {self.path} failed: {exc}") from exc
+            raise storage_error(f"syncing {self.path}", "sync", exc) from exc
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -137,7 +139,7 @@ class BlobStore:
         try:
             return TempBlob(self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}", digests)
         except OSError as exc:
-            raise StorageError(f"cannot create a temp file in {self.tmp_dir}: {exc}") from exc
+            raise storage_error(f"creating a temp file in {self.tmp_dir}", "create", exc) from exc
 
     async def publish(self, temp: TempBlob) -> str:
         """fsync the temp file and move it to its content address; returns the sha256."""
@@ -148,7 +150,7 @@ class BlobStore:
         try:
             await run_blocking(_move_into_place, temp.path, target)
         except OSError as exc:
-            raise StorageError(f"cannot publish {target}: {exc}") from exc
+            raise storage_error(f"publishing {target}", "publish", exc) from exc
         return sha256
 
     async def delete(self, sha256: str) -> bool:
@@ -162,10 +164,18 @@ class BlobStore:
         return await run_blocking(unlink)
 
     def check_writable(self) -> None:
-        """Raise OSError unless a temp file can be created and removed (for /readyz)."""
+        """Raise OSError unless a temp file can be created, written and removed (/readyz)."""
         probe = self.tmp_dir / f".ready-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        try:
+            probe.write_bytes(b"ready")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                probe.unlink()
+
+    def free_bytes(self) -> int:
+        """Bytes available to us on the storage's filesystem."""
+        stat = os.statvfs(self.root)
+        return stat.f_bavail * stat.f_frsize
 
     def remove_stale_temps(self, cutoff_s: float) -> int:
         """Delete temp files last modified before ``cutoff_s`` (Unix time); how many."""
@@ -197,6 +207,14 @@ class BlobStore:
                     except FileNotFoundError:
                         continue
                     yield entry.name, stat.st_size, stat.st_mtime
+
+
+def storage_error(what: str, operation: str, exc: OSError) -> StorageError:
+    """A StorageError naming the errno, counted; the caller raises it."""
+    error = StorageError.from_os_error(what, exc)
+    code = errno.errorcode.get(exc.errno or 0, "other")
+    metrics.STORAGE_ERRORS.labels(operation=operation, errno=code).inc()
+    return error
 
 
 def _scandir_dirs(path: Path) -> list[str]:

@@ -15,6 +15,7 @@ The engine never imports a format: ``proxy/formats/__init__.py`` maps each
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -107,6 +108,8 @@ __all__ = [
 
 OptionsT = TypeVar("OptionsT")
 
+BODY_IDLE_TIMEOUT_S = 30.0
+
 Response = Callable[[Scope, Receive, Send], Awaitable[None]]
 """What an adapter answers with: an ASGI callable (build one with the helpers below)."""
 
@@ -126,9 +129,16 @@ class Request:
     receive: Receive = field(repr=False)
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The request body as it arrives; ``BadRequest`` if the client leaves first."""
+        """The request body as it arrives; ``BadRequest`` if the client leaves first, or
+        408 if it sends nothing for ``BODY_IDLE_TIMEOUT_S`` (a half-sent body)."""
         while True:
-            message = await self.receive()
+            try:
+                async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):
+                    message = await self.receive()
+            except TimeoutError:
+                raise ClientError(
+                    f"the request body stalled for {BODY_IDLE_TIMEOUT_S:.0f} s", status=408
+                ) from None
             if message["type"] == "http.disconnect":
                 raise BadRequest("the client went away before the body was complete")
             chunk = message.get("body", b"")

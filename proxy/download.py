@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 
 from proxy.catalog import Entry
 
-READ_CHUNK_BYTES = 1024 * 1024
+# What one send hands the transport: with uvicorn's flow control a client that stops
+# reading holds about this much (plus the transport's high-water mark) in our memory.
+READ_CHUNK_BYTES = 256 * 1024
 
 
 class Download:

@@ -29,7 +29,7 @@ from proxy.jobs import Scheduler, standard_jobs
 from proxy.leases import LeaseCoordinator, make_holder_id
 from proxy.responses import HotBlobs
 from proxy.settings import Settings
-from proxy.tasks import TaskSupervisor
+from proxy.tasks import TaskSupervisor, watch_loop_lag
 from proxy.upstream import UpstreamPool
 
 log = logging.getLogger("proxy.engine")
@@ -55,6 +55,7 @@ class Engine:
     def start_background(self, scheduler: bool = True) -> None:
         """Access-time flushes, lease notifications and (if asked) the job scheduler."""
         self.tasks.spawn("access-flush", _flush_access_forever(self.cache))
+        self.tasks.spawn("loop-lag", watch_loop_lag())
         if self.settings.leases.notify:
             self.tasks.spawn("lease-listener", self.catalog.listen_leases(self.leases.notify))
         if scheduler:

@@ -22,6 +22,9 @@ httpx errors in ``upstream.py``, sqlite3 and asyncpg errors in ``catalog/``.
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class ProxyError(Exception):
     """Base of every error the proxy raises on purpose."""
@@ -99,3 +102,17 @@ class CatalogError(ProxyError):
 
 class StorageError(ProxyError):
     status = 503
+
+    @classmethod
+    def from_os_error(cls, what: str, exc: OSError) -> StorageError:
+        """``what`` failed with ``exc``, named by its errno (``ENOSPC``, ``EIO``...), so
+        the log says at once whether the disk is full or failing."""
+        return cls(f"{what}: {describe_os_error(exc)}")
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``ENOSPC (No space left on device)`` for an OSError; its text otherwise."""
+    name = errno.errorcode.get(exc.errno or 0)
+    if name is None:
+        return str(exc)
+    return f"{name} ({exc.strerror or os.strerror(exc.errno or 0)})"

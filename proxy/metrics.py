@@ -142,6 +142,16 @@ JOB_RUNS = Counter(
     "Background job passes, by outcome (ran, skipped_locked, failed, cancelled)",
     ["job", "outcome"],
 )
+STORAGE_ERRORS = Counter(
+    "proxy_storage_errors_total",
+    "Blob storage operations that failed, by operation and errno (ENOSPC, EIO, ...)",
+    ["operation", "errno"],
+)
+EVENT_LOOP_LAG = Histogram(
+    "proxy_event_loop_lag_seconds",
+    "How late the event loop ran a periodic probe (time it was busy with something else)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 CATALOG_ERRORS = Counter(
     "proxy_catalog_errors_total",
     "Database operations that failed",

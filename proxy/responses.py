@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 
 from proxy import metrics
+from proxy.blobs import storage_error
 from proxy.blocking import run_blocking
 from proxy.catalog import Entry
-from proxy.download import Download
+from proxy.download import READ_CHUNK_BYTES, Download
 from proxy.http_semantics import (
     etag_of,
     header_value_ok,
@@ -29,9 +31,10 @@ from proxy.http_semantics import (
 )
 from proxy.types import Receive, Scope, Send
 
+log = logging.getLogger("proxy.responses")
+
 HOT_MAX_BLOB_BYTES = 256 * 1024  # blobs up to this size are kept in memory
 HOT_CAPACITY_BYTES = 64 * 1024 * 1024
-READ_CHUNK_BYTES = 1024 * 1024
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -102,7 +105,13 @@ class FileResponse:
             offset, end = self.start, self.start + self.length
             while offset < end and not disconnected.is_set():
                 size = min(READ_CHUNK_BYTES, end - offset)
-                data = await run_blocking(os.pread, self.fd, size, offset)
+                try:
+                    data = await run_blocking(os.pread, self.fd, size, offset)
+                except OSError as exc:
+                    # A failing disk (EIO) or a vanished volume: end the response short,
+                    # so the client sees a broken transfer, never a wrong body.
+                    log.error("%s", storage_error("reading a blob for a client", "read", exc))
+                    return
                 if not data:
                     # The file shrank under us (it never should): end the response short.
                     return

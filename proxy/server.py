@@ -34,6 +34,7 @@ from proxy.settings import Settings
 log = logging.getLogger("proxy.server")
 
 GRACEFUL_SHUTDOWN_S = 10  # in-flight responses get this long to finish on SIGTERM
+KEEP_ALIVE_TIMEOUT_S = 5  # an idle keep-alive connection is closed after this
 WORKER_STOP_TIMEOUT_S = GRACEFUL_SHUTDOWN_S + 20
 WORKER_RESTART_DELAY_S = 1.0
 PARENT_CHECK_INTERVAL_S = 0.5
@@ -78,17 +79,19 @@ def run_process(
     import uvicorn
 
     from proxy.app import ShutdownSignal, create_app
+    from proxy.http_protocol import GuardedHttpToolsProtocol
 
     shutdown = ShutdownSignal()
     config = uvicorn.Config(
         create_app(settings, shutdown=shutdown),
         loop="uvloop",
-        http="httptools",
+        http=GuardedHttpToolsProtocol,
         lifespan="on",
         access_log=access_log,
         log_config=None,
         log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
         server_header=False,
     )
     server = uvicorn.Server(config)

@@ -62,3 +62,21 @@ class TaskSupervisor:
                 log.error(
                     "background task %s did not stop within %.1fs", task.get_name(), timeout_s
                 )
+
+
+LAG_PROBE_INTERVAL_S = 0.1
+LAG_WARNING_S = 1.0
+
+
+async def watch_loop_lag() -> None:
+    """Measure how late the event loop wakes a sleeper: anything running on the loop
+    instead of waiting (a parse, a hash, a slow call) shows up here, and a blocked loop
+    also stops lease renewals (docs/architecture.md, "The event loop only waits")."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        await asyncio.sleep(LAG_PROBE_INTERVAL_S)
+        lag_s = max(0.0, loop.time() - started - LAG_PROBE_INTERVAL_S)
+        metrics.EVENT_LOOP_LAG.observe(lag_s)
+        if lag_s >= LAG_WARNING_S:
+            log.warning("the event loop was blocked for %.2fs", lag_s)

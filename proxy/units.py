@@ -71,6 +71,16 @@ def format_size(n_bytes: int) -> str:
     return f"{n_bytes}B"
 
 
+def approximate_size(n_bytes: int) -> str:
+    """``"117.7MiB"``: a readable size for messages, where exactness does not matter."""
+    value = float(n_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
 def format_duration(seconds: float) -> str:
     for unit, factor in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= factor and seconds % factor == 0:
