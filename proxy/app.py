@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -54,33 +53,32 @@ class ShutdownSignal:
 
     The server drains open connections before the lifespan shutdown runs; a client
     streaming a download would hold our fetch leases for that whole time. ``request``
-    (thread-safe, callable from a signal handler) starts our own shutdown at once:
-    fetches are cancelled and their leases released, so another replica takes over in
-    milliseconds (docs/architecture.md, "Clean shutdown").
+    starts our own shutdown at once: fetches are cancelled and their leases released,
+    so another replica takes over in milliseconds (docs/architecture.md, "Clean
+    shutdown"). It is called from a signal handler, which may interrupt anything on
+    the main thread, even itself: so no lock, only single assignments (atomic), and a
+    callback that tolerates being scheduled twice.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._target: tuple[asyncio.AbstractEventLoop, Callable[[], object]] | None = None
         self.requested = False
 
     def attach(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
-        with self._lock:
-            self._target = (loop, callback)
-            if self.requested:
-                loop.call_soon_threadsafe(callback)
+        self._target = (loop, callback)
+        if self.requested:  # asked before we were ready: start now
+            loop.call_soon_threadsafe(callback)
 
     def detach(self) -> None:
-        with self._lock:
-            self._target = None
+        self._target = None
 
     def request(self) -> None:
-        with self._lock:
-            self.requested = True
-            if self._target is not None:
-                loop, callback = self._target
-                with contextlib.suppress(RuntimeError):  # the loop has just closed
-                    loop.call_soon_threadsafe(callback)
+        self.requested = True
+        target = self._target
+        if target is not None:
+            loop, callback = target
+            with contextlib.suppress(RuntimeError):  # the loop has just closed
+                loop.call_soon_threadsafe(callback)
 
 
 def create_app(
@@ -141,6 +139,8 @@ class Dispatcher:
                     response = _landing(state) if scope["path"] == "/" else _unknown(name, state)
                 else:
                     repository = name
+                    if name in state.not_configured:
+                        raise NotConfigured(state.not_configured[name])
                     headers = {
                         k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
                     }

@@ -1,18 +1,26 @@
-"""``proxy serve | check-config | migrate | gc``."""
+"""``proxy serve | check-config | migrate | gc | stats``.
+
+Nothing of the proxy is imported at module level: the Prometheus client decides where
+metric values live when ``proxy.metrics`` is first imported, so the metrics folder must
+be settled before (``private_metrics_dir``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from proxy import __version__
-from proxy.config import load
-from proxy.exceptions import CatalogError, ConfigError
-from proxy.logs import configure_logging
-from proxy.settings import Settings
+
+if TYPE_CHECKING:
+    from proxy.settings import Settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,6 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats.add_argument("--config")
 
     args = parser.parse_args(argv)
+    private_metrics_dir()
+    from proxy.config import load
+    from proxy.exceptions import ConfigError
+    from proxy.logs import configure_logging
+
     environ = dict(os.environ)
     if getattr(args, "config", None):
         environ["PROXY_CONFIG"] = args.config
@@ -86,8 +99,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def private_metrics_dir() -> None:
+    """If the operator set ``PROMETHEUS_MULTIPROC_DIR``, use a fresh folder inside it.
+
+    prometheus_client reads every ``*.db`` in that folder and keeps values there for the
+    life of the process: a folder of our own means nothing of the operator's is read
+    (another program's files would break /metrics) or removed, and nothing of ours is
+    left behind. A folder that does not exist yet is created.
+    """
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not given:
+        return
+    try:
+        os.makedirs(given, exist_ok=True)
+        private = tempfile.mkdtemp(prefix=f"proxy-{os.getpid()}-", dir=given)
+    except OSError as exc:
+        print(f"PROMETHEUS_MULTIPROC_DIR: cannot use {given}: {exc.strerror}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = private
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+
+
 async def _migrate(settings: Settings, quiet: bool = False) -> int:
     from proxy.catalog import open_catalog
+    from proxy.exceptions import CatalogError
 
     catalog = open_catalog(settings.database_url)
     try:
@@ -106,6 +141,7 @@ async def _gc(settings: Settings) -> int:
     from proxy.blobs import BlobStore
     from proxy.catalog import open_catalog
     from proxy.clock import SYSTEM_CLOCK
+    from proxy.exceptions import CatalogError
     from proxy.jobs.reclaim import Reclaim
 
     catalog = open_catalog(settings.database_url)
@@ -125,6 +161,7 @@ async def _gc(settings: Settings) -> int:
 
 async def _stats(settings: Settings) -> int:
     from proxy.catalog import open_catalog
+    from proxy.exceptions import CatalogError
     from proxy.units import format_size
 
     catalog = open_catalog(settings.database_url)

@@ -137,7 +137,7 @@ class _Parser:
 
         listen = self.environ.get("PROXY_LISTEN") or self.value(server, "server", "listen", Text())
         host, port = self.listen(listen or DEFAULT_LISTEN, "server.listen")
-        workers = self.value(server, "server", "workers", Integer(minimum=1), DEFAULT_WORKERS)
+        workers = self.value(server, "server", "workers", Integer(1, 256), DEFAULT_WORKERS)
 
         storage_path = self.environ.get("PROXY_STORAGE_PATH") or self.value(
             storage, "storage", "path", Text()
@@ -159,7 +159,11 @@ class _Parser:
             ),
             retries=self.value(upstream, "upstream", "retries", Integer(0, 10), DEFAULT_RETRIES),
             max_connections=self.value(
-                upstream, "upstream", "max_connections", Integer(1), DEFAULT_MAX_CONNECTIONS
+                upstream,
+                "upstream",
+                "max_connections",
+                Integer(1, 100_000),
+                DEFAULT_MAX_CONNECTIONS,
             ),
             transfer_timeout_s=self.value(
                 upstream, "upstream", "transfer_timeout", positive, DEFAULT_TRANSFER_TIMEOUT_S
@@ -203,6 +207,7 @@ class _Parser:
             raw_repos = []
         repositories: list[RepositorySettings[Any]] = []
         seen: set[str] = set()
+        env_vars: dict[str, str] = {}
         for index, raw_repo in enumerate(raw_repos):
             repo = self.repository(raw_repo, index)
             if repo is None:
@@ -210,6 +215,14 @@ class _Parser:
             if repo.name in seen:
                 self.error(f"repositories.{repo.name}.name", "is used by two repositories")
             seen.add(repo.name)
+            env_var = upstream_env_var(repo.name)
+            if repo.is_proxy and env_var in env_vars:
+                self.error(
+                    f"repositories.{repo.name}.name",
+                    f"its upstream variable {env_var} is also that of repository "
+                    f"{env_vars[env_var]!r}; rename one of them",
+                )
+            env_vars.setdefault(env_var, repo.name)
             repositories.append(repo)
 
         if self.errors:
@@ -249,6 +262,9 @@ class _Parser:
             return None
         where = f"repositories.{name}"
         fmt = self.value(raw, where, "format", Text())
+        if "format" not in raw:
+            self.error(f"{where}.format", f"is required: one of {', '.join(formats.REGISTRY)}")
+            return None
         if fmt not in formats.REGISTRY:
             self.error(f"{where}.format", f"{fmt!r} is not one of {', '.join(formats.REGISTRY)}")
             return None
@@ -267,9 +283,14 @@ class _Parser:
             key = f"{where}.{option.key}"
             value: object = raw.get(option.key)
             env_var = upstream_env_var(name)
-            if getattr(option.kind, "takes_env_override", False) and self.environ.get(env_var):
+            if option.key == "upstream" and self.environ.get(env_var):
                 key = env_var
-                value = [u.strip() for u in self.environ[env_var].split(",") if u.strip()]
+                # Taken as written: "$" in an environment value is not a ${VAR} reference.
+                value = [
+                    u.strip().replace("$", "$$")
+                    for u in self.environ[env_var].split(",")
+                    if u.strip()
+                ]
             if value is None:
                 values[field_name] = default
                 continue

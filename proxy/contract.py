@@ -50,6 +50,7 @@ from proxy.options import (
     Text,
     Urls,
     option,
+    toml_key,
 )
 from proxy.settings import RepositorySettings
 from proxy.types import KNOWN_DIGESTS, Digests, Kind, Link, Receive, Scope, Send, Validators
@@ -104,6 +105,7 @@ __all__ = [
     "inline_response",
     "option",
     "redirect",
+    "toml_key",
 ]
 
 OptionsT = TypeVar("OptionsT")

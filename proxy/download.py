@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 
 from proxy.catalog import Entry
 
-# What one send hands the transport: with uvicorn's flow control a client that stops
-# reading holds about this much (plus the transport's high-water mark) in our memory.
-READ_CHUNK_BYTES = 256 * 1024
+# What one send hands the transport: a client that stops reading holds about this much
+# of our memory (plus the transport's high-water mark), however large the body.
+SEND_CHUNK_BYTES = 256 * 1024
 
 
 class Download:
@@ -95,7 +95,7 @@ class Download:
                     raise self.error
                 readable = self.written if self.finished else self.written - 1
                 if offset < readable:
-                    size = min(readable - offset, READ_CHUNK_BYTES)
+                    size = min(readable - offset, SEND_CHUNK_BYTES)
                     # Just written, so in the page cache: a read here is cheaper than
                     # a hop to a thread (this runs once per chunk per client).
                     data = os.pread(fd, size, offset)

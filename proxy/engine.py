@@ -50,6 +50,8 @@ class Engine:
     leases: LeaseCoordinator
     holder: str
     size_limits: dict[str, int]  # repositories whose format keeps them under a size
+    # Proxying repositories without an upstream -> the 503 message naming the setting.
+    not_configured: dict[str, str]
     _stopping: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def start_background(self, scheduler: bool = True) -> None:
@@ -100,6 +102,7 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
             cache = Cache(catalog, blobs, fetcher, index, access, hot, clock)
             adapters: dict[str, Adapter] = {}
             size_limits: dict[str, int] = {}
+            not_configured: dict[str, str] = {}
             for repo in settings.repositories:
                 plugin = formats.plugin(repo.format)
                 upstream = pool.for_repository(repo.name, repo.upstreams, repo.allow_hosts)
@@ -112,13 +115,27 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
                 for warning in plugin.warnings(repo, settings.host) if plugin.warnings else ():
                     log.warning("%s", warning)
                 if repo.is_proxy and not repo.upstreams:
+                    not_configured[repo.name] = (
+                        f"repository {repo.name!r} has no upstream configured; "
+                        f"set {repo.upstream_setting}"
+                    )
                     log.warning(
                         "repository %r has no upstream: its requests get 503 until you set %s",
                         repo.name,
                         repo.upstream_setting,
                     )
             engine = Engine(
-                settings, clock, catalog, blobs, cache, adapters, tasks, leases, holder, size_limits
+                settings,
+                clock,
+                catalog,
+                blobs,
+                cache,
+                adapters,
+                tasks,
+                leases,
+                holder,
+                size_limits,
+                not_configured,
             )
             try:
                 yield engine

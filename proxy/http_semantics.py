@@ -91,18 +91,30 @@ def parse_range(header: str, size: int) -> tuple[int, int] | Literal["unsatisfia
     match = _RANGE_RE.match(spec)
     if match is None:
         return None
-    first, last = match.groups()
-    if first == "":
-        if last == "":
+    first, last = (_bounded_int(text) for text in match.groups())
+    if first is None:
+        if last is None:
             return None
-        suffix = int(last)
+        suffix = last
         if suffix == 0 or size == 0:
             return UNSATISFIABLE
         return max(0, size - suffix), size - 1
-    start = int(first)
-    end = int(last) if last else size - 1
-    if last and end < start:
+    start = first
+    end = last if last is not None else size - 1
+    if last is not None and end < start:
         return None  # "bytes=5-3" is invalid, not unsatisfiable: ignore it
     if start >= size:
         return UNSATISFIABLE
     return start, min(end, size - 1)
+
+
+_POSITION_MAX = 10**18  # past any size we store; keeps int() clear of its digit limit
+
+
+def _bounded_int(digits: str) -> int | None:
+    """The number in ``digits`` (None if empty), clamped: "bytes=0-<5,000 digits>" is a
+    valid range to the end, not an error."""
+    if not digits:
+        return None
+    digits = digits.lstrip("0") or "0"
+    return _POSITION_MAX if len(digits) > 18 else int(digits)

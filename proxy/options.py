@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import ipaddress
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -212,10 +213,9 @@ class Integer:
 class Urls:
     """One http(s) URL or a list of them, tried in order; each ends in ``/``.
 
-    The config layer also takes them from ``PROXY_UPSTREAM_<NAME>`` (comma-separated).
+    Under the key ``upstream``, the config layer also takes them from
+    ``PROXY_UPSTREAM_<NAME>`` (comma-separated).
     """
-
-    takes_env_override = True
 
     def __init__(self, max_count: int | None = None) -> None:
         self.max_count = max_count
@@ -303,4 +303,15 @@ class Hosts:
 
 
 def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """``text`` as a TOML basic string (escapes included), so check-config output loads."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: for anything check-config prints."""
+    return _quote(text)
+
+
+def toml_key(name: str) -> str:
+    """A bare key when TOML allows one, else a quoted key."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else _quote(name)

@@ -18,7 +18,7 @@ from proxy import metrics
 from proxy.blobs import storage_error
 from proxy.blocking import run_blocking
 from proxy.catalog import Entry
-from proxy.download import READ_CHUNK_BYTES, Download
+from proxy.download import SEND_CHUNK_BYTES, Download
 from proxy.http_semantics import (
     etag_of,
     header_value_ok,
@@ -37,6 +37,11 @@ HOT_MAX_BLOB_BYTES = 256 * 1024  # blobs up to this size are kept in memory
 HOT_CAPACITY_BYTES = 64 * 1024 * 1024
 
 Headers = list[tuple[bytes, bytes]]
+
+# An empty body message: uvicorn's send waits while the connection's buffer is over its
+# high-water mark and writes nothing. Sent before each chunk is read, it makes what a
+# client that stops reading costs us one buffered chunk, not one more in hand.
+_WAIT_WRITABLE = {"type": "http.response.body", "body": b"", "more_body": True}
 
 
 class HotBlobs:
@@ -104,7 +109,8 @@ class FileResponse:
             )
             offset, end = self.start, self.start + self.length
             while offset < end and not disconnected.is_set():
-                size = min(READ_CHUNK_BYTES, end - offset)
+                await send(_WAIT_WRITABLE)
+                size = min(SEND_CHUNK_BYTES, end - offset)
                 try:
                     data = await run_blocking(os.pread, self.fd, size, offset)
                 except OSError as exc:
@@ -145,7 +151,11 @@ class DownloadResponse:
         sent = 0
         chunks: AsyncIterator[bytes] = self.download.chunks()
         try:
-            async for data in chunks:
+            while True:
+                await send(_WAIT_WRITABLE)
+                data = await anext(chunks, None)
+                if data is None:
+                    break
                 if disconnected.is_set():
                     return
                 sent += len(data)

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import socket
@@ -39,7 +38,7 @@ WORKER_STOP_TIMEOUT_S = GRACEFUL_SHUTDOWN_S + 20
 WORKER_RESTART_DELAY_S = 1.0
 PARENT_CHECK_INTERVAL_S = 0.5
 LISTEN_BACKLOG = 2048
-_METRICS_FILE_RE = re.compile(r"^[a-z_]+_(\d+)\.db$")  # prometheus_client's per-pid files
+STARTUP_FAILED = 1  # run_process's status when the server never started
 
 
 class BindError(Exception):
@@ -112,13 +111,19 @@ def run_process(
             if parent_pid is not None and os.getppid() != parent_pid and not server.should_exit:
                 log.warning("the supervisor is gone; stopping")
                 stop(signal.SIGTERM, None)
-    return 0 if server.started else 1
+    return 0 if server.started else STARTUP_FAILED
 
 
 def supervise(
     settings: Settings, sock: socket.socket, workers: int, access_log: bool, log_level: str
 ) -> int:
-    """Run ``workers`` processes on one socket; forward signals; replace dead workers."""
+    """Run ``workers`` processes on one socket; forward signals; replace dead workers.
+
+    The first SIGTERM/SIGINT is passed on as SIGTERM (a clean stop); a second SIGINT
+    (Ctrl+C again) as SIGINT, which stops waiting for open connections. Workers run in
+    a process group of their own, so a terminal's Ctrl+C reaches them only through us.
+    A worker that fails to start stops the whole server (a restart would fail again).
+    """
     metrics_dir, owned = _prepare_metrics_dir()
     context = multiprocessing.get_context("spawn")
     args = (settings, sock, access_log, log_level, os.getpid())
@@ -129,27 +134,36 @@ def supervise(
         return process
 
     processes = [start() for _ in range(workers)]
+    signals: list[int] = []
     stopping = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        signals.append(signum)
+        forward = signal.SIGINT if len(signals) > 1 and signum == signal.SIGINT else signal.SIGTERM
         stopping.set()
         for process in processes:
             if process.pid is not None and process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signum)
+                    os.kill(process.pid, forward)
 
+    status = 0
     try:
         with _handling_signals(stop):
             while not stopping.is_set():
                 for i, process in enumerate(processes):
                     if process.is_alive() or stopping.is_set():
                         continue
+                    _forget_worker_metrics(process.pid)
+                    if process.exitcode == STARTUP_FAILED:
+                        log.error("a worker failed to start; stopping the server")
+                        status = 1
+                        stop(signal.SIGTERM, None)
+                        break
                     log.error(
                         "worker %s exited with status %s; starting another",
                         process.pid,
                         process.exitcode,
                     )
-                    _forget_worker_metrics(process.pid)
                     time.sleep(WORKER_RESTART_DELAY_S)
                     if not stopping.is_set():
                         processes[i] = start()
@@ -165,12 +179,13 @@ def supervise(
         sock.close()
         if owned:
             shutil.rmtree(metrics_dir, ignore_errors=True)
-    return 0
+    return status
 
 
 def _worker_main(
     settings: Settings, sock: socket.socket, access_log: bool, log_level: str, parent_pid: int
 ) -> None:
+    os.setpgrp()  # a terminal's Ctrl+C goes to the supervisor, which passes it on once
     configure_logging(log_level)
     raise SystemExit(run_process(settings, sock, access_log, log_level, parent_pid))
 
@@ -187,23 +202,15 @@ def _handling_signals(handler: Callable[[int, FrameType | None], None]) -> Itera
 
 
 def _prepare_metrics_dir() -> tuple[str, bool]:
-    """The folder where workers' metrics meet; ``(path, created by us)``.
-
-    An operator's own ``PROMETHEUS_MULTIPROC_DIR`` is used as it is: only the files of
-    worker processes that no longer run are removed from it, never anything else.
-    """
+    """The folder where workers' metrics meet; ``(path, created here)``. An operator's
+    ``PROMETHEUS_MULTIPROC_DIR`` has already been replaced by a private folder inside it
+    (``cli.private_metrics_dir``), so nothing of theirs is read or removed."""
     given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not given:
-        path = tempfile.mkdtemp(prefix="proxy-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-        return path, True
-    os.makedirs(given, exist_ok=True)
-    for name in os.listdir(given):
-        match = _METRICS_FILE_RE.match(name)
-        if match and not _pid_alive(int(match.group(1))):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(given, name))
-    return given, False
+    if given:
+        return given, False
+    path = tempfile.mkdtemp(prefix="proxy-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path, True
 
 
 def _forget_worker_metrics(pid: int | None) -> None:
@@ -212,13 +219,3 @@ def _forget_worker_metrics(pid: int | None) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
-from proxy.options import options_of
+from proxy.options import options_of, toml_string
 from proxy.units import format_duration, format_size
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -118,12 +118,12 @@ class Settings:
         lines = [
             f"# effective settings from {self.source}",
             "[server]",
-            f'listen = "{self.host}:{self.port}"',
+            f"listen = {toml_string(f'{self.host}:{self.port}')}",
             f"workers = {self.workers}",
             "[database]",
-            f'url = "{hide_password(self.database_url)}"',
+            f"url = {toml_string(hide_password(self.database_url))}",
             "[storage]",
-            f'path = "{self.storage_path}"',
+            f"path = {toml_string(str(self.storage_path))}",
             f'min_free = "{format_size(self.storage_min_free)}"',
             "[upstream]",
             f'connect_timeout = "{format_duration(self.upstream.connect_timeout_s)}"',

@@ -6,12 +6,16 @@ Both parsers raise ``ValueError`` with a message that shows an accepted spelling
 
 from __future__ import annotations
 
+import math
 import re
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+MAX_DURATION_S = 100 * 365 * 86400.0  # a century: longer is a typo, and overflows timestamps
+MAX_SIZE_BYTES = 2**62
+
+_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "b": 1,
     "kb": 10**3,
@@ -26,37 +30,48 @@ _SIZE_UNITS = {
 
 
 def parse_duration(value: object) -> float:
-    """Seconds from ``"15s"``, ``"10m"``, ``"24h"``, ``"250ms"``, ``"0"`` or a number of seconds."""
+    """Seconds from ``"15s"``, ``"10m"``, ``"24h"``, ``"250ms"``, ``"0"`` or a number of
+    seconds; at most a century."""
+    seconds: float | None = None
     if isinstance(value, bool):
-        raise ValueError(f'{value!r} is not a duration; use e.g. "15s", "10m" or "24h"')
-    if isinstance(value, int | float):
+        pass
+    elif isinstance(value, int | float):
         if value < 0:
             raise ValueError(f"{value!r} is negative; a duration is 0 or more")
-        return float(value)
-    if isinstance(value, str):
+        seconds = float(value)
+    elif isinstance(value, str):
         match = _DURATION_RE.match(value)
         if match:
             number, unit = match.groups()
             if unit is None and float(number) != 0:
                 raise ValueError(f'{value!r} has no unit; use e.g. "{number}s" or "{number}m"')
-            return float(number) * _DURATION_UNITS_S[unit or "s"]
-    raise ValueError(f'{value!r} is not a duration; use e.g. "15s", "10m" or "24h"')
+            seconds = float(number) * _DURATION_UNITS_S[unit or "s"]
+    if seconds is None or not math.isfinite(seconds):
+        raise ValueError(f'{value!r} is not a duration; use e.g. "15s", "10m" or "24h"')
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"{value!r} is longer than a century; use a shorter duration")
+    return seconds
 
 
 def parse_size(value: object) -> int:
     """Bytes from ``"512MiB"``, ``"10GB"``, ``"100MB"`` or an integer number of bytes."""
     if isinstance(value, bool):
         raise ValueError(f'{value!r} is not a size; use e.g. "10GB" or "512MiB"')
+    size: int | None = None
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{value!r} is negative; a size is 0 or more")
-        return value
-    if isinstance(value, str):
+        size = value
+    elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match:
             number, unit = match.groups()
-            return int(float(number) * _SIZE_UNITS[(unit or "b").lower()])
-    raise ValueError(f'{value!r} is not a size; use e.g. "10GB" or "512MiB"')
+            size = int(float(number) * _SIZE_UNITS[(unit or "b").lower()])
+    if size is None:
+        raise ValueError(f'{value!r} is not a size; use e.g. "10GB" or "512MiB"')
+    if size > MAX_SIZE_BYTES:
+        raise ValueError(f"{value!r} is too large")
+    return size
 
 
 def format_size(n_bytes: int) -> str:
@@ -87,4 +102,4 @@ def format_duration(seconds: float) -> str:
             return f"{int(seconds // factor)}{unit}"
     if seconds == 0:
         return "0"
-    return f"{round(seconds * 1000)}ms"
+    return f"{seconds * 1000:g}ms"

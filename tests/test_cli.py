@@ -191,3 +191,37 @@ def test_stats_and_gc_commands(tmp_path: Path, upstream: FakeUpstream) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert gc.returncode == 0 and "purged" in gc.stdout
+
+
+def test_workers_that_cannot_start_stop_the_server(tmp_path: Path) -> None:
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("x")
+    env = {
+        "PROXY_DATABASE_URL": f"sqlite:///{tmp_path / 'ok.db'}",
+        "PROXY_STORAGE_PATH": str(not_a_folder),
+    }
+    process, _url = serve(tmp_path, "--workers", "2", env=env)
+    output = process.communicate(timeout=60)[0].decode()
+    assert process.returncode == 1, output
+    assert "a worker failed to start" in output
+    assert output.count("starting another") == 0
+
+
+def test_ctrl_c_in_a_terminal_stops_workers_cleanly(tmp_path: Path) -> None:
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--workers", "2", "--listen", f"127.0.0.1:{port}"],
+        cwd=tmp_path, env={**clean, "PYTHONPATH": str(Path.cwd())},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(process, url)
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal does on Ctrl+C
+        output = process.communicate(timeout=40)[0].decode()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output
+    assert "Traceback" not in output and "did not stop in time" not in output, output

@@ -66,6 +66,7 @@ class FakeUpstream:
 
     projects: dict[str, list[ProjectFile]] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)  # any other path -> body
+    content_types: dict[str, str] = field(default_factory=dict)  # path -> its Content-Type
     directory: Path | None = None  # serve this folder for paths not in `files`
     faults: dict[str, Fault] = field(default_factory=dict)
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -177,7 +178,7 @@ class FakeUpstream:
         self, path: str, headers: dict[str, str]
     ) -> tuple[int, bytes, str, list[tuple[bytes, bytes]]] | None:
         if path in self.files:
-            content_type = (
+            content_type = self.content_types.get(path) or (
                 "application/vnd.pypi.simple.v1+json"
                 if path.startswith("/simple/")
                 else "application/octet-stream"

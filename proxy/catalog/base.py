@@ -152,6 +152,10 @@ class SqlCatalog:
 
 
 def _links_json(links: Sequence[Link]) -> str:
+    # One row per key, the last listing winning, as the same key twice in one page would
+    # otherwise be an error on Postgres ("cannot affect row a second time") but not on
+    # SQLite.
+    links = list({(link.repository, link.key): link for link in links}.values())
     return json.dumps(
         [
             {

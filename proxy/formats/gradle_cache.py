@@ -34,6 +34,7 @@ from proxy.contract import (
     empty_response,
     error_response,
     option,
+    toml_key,
 )
 
 CONTENT_TYPE = "application/vnd.gradle.build-cache-artifact.v2"
@@ -80,7 +81,8 @@ class Users:
 
     def render(self, value: tuple[User, ...]) -> str:
         return "\n".join(
-            f'users.{user.name} = {{ password = "***", role = "{user.role}" }}' for user in value
+            f'users.{toml_key(user.name)} = {{ password = "***", role = "{user.role}" }}'
+            for user in value
         )
 
 

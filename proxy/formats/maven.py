@@ -30,7 +30,6 @@ from proxy.contract import (
     FormatPlugin,
     Hosts,
     Kind,
-    NotConfigured,
     NotFound,
     OriginContext,
     RepositorySettings,
@@ -151,11 +150,6 @@ class MavenRepository:
                 f"{request.method} is not allowed: this is a read-only proxy of upstream "
                 "Maven repositories (deploy to your repository manager instead)",
                 {"allow": "GET, HEAD"},
-            )
-        if not self.options.upstream:
-            raise NotConfigured(
-                f"repository {self.name!r} has no upstream configured; "
-                f"set {self.settings.upstream_setting}"
             )
         if request.path == PREFIXES_FILE:
             if len(self.options.upstream) > 1:

@@ -24,7 +24,6 @@ from proxy.contract import (
     Hosts,
     Kind,
     Link,
-    NotConfigured,
     NotFound,
     OriginContext,
     RepositorySettings,
@@ -64,7 +63,8 @@ class PypiRepository:
         self.options = settings.options
         self.name = settings.name
         self.cache = ctx.cache
-        self.index_url = self.options.upstream[0] if self.options.upstream else None
+        # The engine answers 503 for a repository without an upstream, before we are asked.
+        self.index_url = self.options.upstream[0] if self.options.upstream else ""
 
     async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
@@ -87,14 +87,6 @@ class PypiRepository:
             f"/{request.repository}/{request.path}: no such path; a pypi repository serves "
             f"/{request.repository}/simple/ and the file links its pages list"
         )
-
-    def _require_upstream(self) -> str:
-        if self.index_url is None:
-            raise NotConfigured(
-                f"repository {self.name!r} has no upstream index configured; "
-                f"set {self.settings.upstream_setting}"
-            )
-        return self.index_url
 
     # -- index pages -----------------------------------------------------------------
 
@@ -122,8 +114,7 @@ class PypiRepository:
         )
 
     def index_spec(self, project: str | None, representation: str) -> FetchSpec:
-        index_url = self._require_upstream()
-        url = index_url + (f"{project}/" if project else "")
+        url = self.index_url + (f"{project}/" if project else "")
         page = f"simple/{project}/" if project else "simple/"
         return FetchSpec(
             key=f"{page}#{representation}",
@@ -144,8 +135,6 @@ class PypiRepository:
         if not si.is_safe_filename(filename):
             raise BadRequest(f"{filename!r} is not a valid file name")
         key = f"files/{name}/{filename}"
-        if not await self.cache.is_fresh(key):
-            self._require_upstream()
         spec = FetchSpec(
             key=key,
             kind=Kind.IMMUTABLE,

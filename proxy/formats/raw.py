@@ -25,7 +25,6 @@ from proxy.contract import (
     Globs,
     Hosts,
     Kind,
-    NotConfigured,
     NotFound,
     OriginContext,
     RepositorySettings,
@@ -76,11 +75,6 @@ class RawRepository:
         if not path or path.endswith("/"):
             raise NotFound(
                 f"/{request.repository}/{path}: a raw repository serves files, not folders"
-            )
-        if not self.options.upstream:
-            raise NotConfigured(
-                f"repository {self.settings.name!r} has no upstream configured; "
-                f"set {self.settings.upstream_setting}"
             )
         mutable = any(fnmatch.fnmatchcase(path, pattern) for pattern in self.options.mutable)
         url = self.options.upstream[0] + quote(path, safe="/" + _PATH_SAFE)

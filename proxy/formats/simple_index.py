@@ -36,6 +36,8 @@ log = logging.getLogger("proxy.pypi")
 CONTENT_TYPES = {JSON_V1: JSON_V1, HTML_V1: HTML_V1, TEXT_HTML: "text/html; charset=utf-8"}
 
 _PROJECT_NAME_RE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
+MAX_URL_CHARS = 8192
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _HEX_RE = re.compile(r"[0-9a-fA-F]{1,128}")  # used with fullmatch
 _HASH_NAMES = ("sha256", "sha512", "sha384", "sha224", "sha1", "md5")
 
@@ -274,10 +276,17 @@ def _parse_project_json(body: bytes, page_url: str, name: str) -> ProjectPage:
 
 def _resolve(base: str, link: str) -> tuple[str, str] | None:
     """``(absolute URL without fragment, fragment)``; None for a link that is not a URL."""
+    if len(link) > MAX_URL_CHARS or _CONTROL_RE.search(link):
+        log.warning(
+            "ignoring a link with control characters or over %d characters on %s",
+            MAX_URL_CHARS,
+            base,
+        )
+        return None
     try:
         url, fragment = urldefrag(urljoin(base, link))
     except ValueError:  # e.g. "http://[bad/x.whl"
-        log.warning("ignoring malformed link %r on %s", link, base)
+        log.warning("ignoring malformed link %r on %s", link[:200], base)
         return None
     return url, fragment
 

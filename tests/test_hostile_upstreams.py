@@ -1,0 +1,435 @@
+"""Hostile and broken upstreams (proxy/upstream.py, proxy/ssrf.py): nothing freezes,
+nothing leaks, nothing wrong is kept, and no request answers 500.
+
+Each test scripts an upstream with tests/hostile.py (raw bytes, trickles, redirects)
+or the fake upstream of tests/upstream.py, and bounds every wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.catalog import Entry, open_catalog
+from proxy.clock import SYSTEM_CLOCK
+from proxy.config import load
+from proxy.types import Kind
+from tests import hostile
+from tests.conftest import ProxyFactory, pypi_config, write_config
+from tests.hostile import HostileUpstream, head
+from tests.upstream import FakeUpstream, ProjectFile, ServerThread, start_upstream
+
+FAST_FAIL = """
+    [upstream]
+    connect_timeout = "1s"
+    read_timeout = "2s"
+    min_rate = "1KiB/s"
+    min_rate_window = "1s"
+    retries = 0
+    max_connections = 4
+"""
+
+
+@pytest.fixture
+def evil() -> Iterator[HostileUpstream]:
+    server = HostileUpstream().start()
+    yield server
+    server.stop()
+
+
+def raw_repo(name: str, upstream_url: str, extra: str = "") -> str:
+    return f"""
+    [[repositories]]
+    name = "{name}"
+    format = "raw"
+    upstream = "{upstream_url}/"
+    {extra}
+    """
+
+
+def proxy_for(
+    tmp_path: Path, start_proxy: ProxyFactory, repositories: str, upstream: str = FAST_FAIL
+) -> ServerThread:
+    config = f"""
+    [storage]
+    path = "{tmp_path / "data"}"
+    {upstream}
+    {repositories}
+    """
+    return start_proxy(load(write_config(tmp_path, config), {}))
+
+
+# -- deadlines that a trickle cannot defeat --------------------------------------------------
+
+
+@pytest.mark.parametrize("announce_length", [True, False])
+def test_a_trickling_body_fails_at_the_minimum_rate(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, announce_length: bool
+) -> None:
+    evil.routes["/slow.bin"] = hostile.trickle(b"x" * 10_000, 0.2, announce_length)
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("evil", evil.base_url))
+    started = time.monotonic()
+    try:
+        response = httpx.get(proxy.url + "/evil/slow.bin", timeout=30)
+        failed = response.status_code in (502, 504)
+        assert failed, response.status_code
+        assert "min_rate" in response.text
+    except httpx.RemoteProtocolError:
+        pass  # already streaming (the length was known): cut short, never completed
+    assert time.monotonic() - started < 15
+    assert not (tmp_path / "data" / "blobs").exists() or not any(
+        p.is_file() for p in (tmp_path / "data" / "blobs").rglob("*")
+    ), "nothing of a failed transfer is kept"
+
+
+def test_a_trickling_response_head_fails_within_connect_plus_read_timeout(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    evil.routes["/head.bin"] = hostile.trickle_head(0.1)
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("evil", evil.base_url))
+    started = time.monotonic()
+    response = httpx.get(proxy.url + "/evil/head.bin", timeout=30)
+    assert response.status_code == 504 and "response head" in response.text
+    assert time.monotonic() - started < 10
+
+
+def test_stuck_transfers_to_one_upstream_never_starve_another(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, upstream: FakeUpstream
+) -> None:
+    for i in range(8):
+        evil.routes[f"/stuck-{i}.bin"] = hostile.hang()
+    upstream.files["/good.bin"] = b"good bytes"
+    repos = raw_repo("evil", evil.base_url) + raw_repo("good", upstream.base_url)
+    proxy = proxy_for(
+        tmp_path,
+        start_proxy,
+        repos,
+        FAST_FAIL.replace('read_timeout = "2s"', 'read_timeout = "20s"'),
+    )
+
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response, float]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            stuck = [
+                asyncio.ensure_future(client.get(f"{proxy.url}/evil/stuck-{i}.bin"))
+                for i in range(8)
+            ]
+            await asyncio.sleep(1.0)
+            started = time.monotonic()
+            good = await client.get(f"{proxy.url}/good/good.bin")
+            elapsed = time.monotonic() - started
+            answers = await asyncio.gather(*stuck)
+            return answers, good, elapsed
+
+    answers, good, elapsed = asyncio.run(scenario())
+    assert good.status_code == 200 and good.content == b"good bytes"
+    assert elapsed < 2.0, "the other upstream's miss waited behind the stuck ones"
+    busy = [a for a in answers if a.status_code == 503]
+    assert len(busy) == 4, [a.status_code for a in answers]  # max_connections = 4
+    for answer in busy:
+        assert answer.headers["retry-after"] and "upstream.max_connections" in answer.text
+    assert all(a.status_code in (503, 504) for a in answers)
+
+
+# -- only clean values are stored ---------------------------------------------------------------
+
+
+def test_header_values_that_are_not_http_are_dropped(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    bad = [
+        (b"content-type", "text/plain; charset=\u00e9\u263a".encode()),
+        (b"etag", '"\u263a"'.encode()),
+        (b"last-modified", "Mon, 01 Jan 2024 00:00:00 \u263a".encode()),
+    ]
+    evil.routes["/odd.txt"] = hostile.ok(b"odd body", extra=[])
+    evil.routes["/odd.txt"] = _with_headers(b"odd body", bad)
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("evil", evil.base_url))
+    for _ in range(3):  # the miss, then hits of what was stored
+        response = httpx.get(proxy.url + "/evil/odd.txt")
+        assert response.status_code == 200 and response.content == b"odd body"
+        assert response.headers["content-type"] == "text/plain"  # guessed from the name
+        assert response.headers["etag"].startswith('"') and "\u263a" not in response.text
+
+
+def _with_headers(body: bytes, headers: list[tuple[bytes, bytes]]) -> hostile.Behaviour:
+    return hostile.raw(head(200, [(b"content-length", b"%d" % len(body)), *headers]) + body, False)
+
+
+async def _store_legacy_entry(database_url: str, storage: Path, key: str, body: bytes) -> None:
+    """An entry written before header values were checked (as older versions did)."""
+    sha = hashlib.sha256(body).hexdigest()
+    blob = storage / "blobs" / sha[:2] / sha[2:4] / sha
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(body)
+    catalog = open_catalog(database_url)
+    await catalog.migrate()
+    now = SYSTEM_CLOCK.now_ms()
+    await catalog.put_entry(
+        Entry(
+            "evil", key, Kind.IMMUTABLE, sha, len(body), "text/plain; charset=\u263a", now, None,
+            etag='"\u263a"', last_modified="yesterday \u263a", digests={"sha256": sha},
+            last_access_ms=now,
+        )
+    )  # fmt: skip
+    await catalog.close()
+
+
+def test_entries_stored_with_bad_values_render_without_them(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    storage = tmp_path / "data"
+    asyncio.run(
+        _store_legacy_entry(f"sqlite:///{storage / 'proxy.db'}", storage, "old.txt", b"old")
+    )
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("evil", evil.base_url))
+    response = httpx.get(proxy.url + "/evil/old.txt")
+    assert response.status_code == 200 and response.content == b"old"
+    assert response.headers["content-type"] == "application/octet-stream"
+    assert response.headers["last-modified"].endswith("GMT")
+
+
+def test_unknown_digest_names_are_ignored(pypi_proxy: ServerThread, upstream: FakeUpstream) -> None:
+    f = ProjectFile("shake-1.0.tar.gz", b"shake it")
+    page = {
+        "meta": {"api-version": "1.0"},
+        "name": "shake",
+        "files": [
+            {
+                "filename": f.filename,
+                "url": f"/packages/{f.filename}",
+                "hashes": {"shake_128": "ab" * 16, "foo": "00", "sha256": f.sha256},
+            }
+        ],
+    }
+    upstream.add_project("shake", [f])
+    upstream.files["/simple/shake/"] = json.dumps(page).encode()
+    index = httpx.get(
+        pypi_proxy.url + "/pypi/simple/shake/",
+        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+    )
+    assert index.status_code == 200
+    assert index.json()["files"][0]["hashes"] == {"sha256": f.sha256}
+    file = httpx.get(pypi_proxy.url + f"/pypi/files/shake/{f.filename}")
+    assert file.status_code == 200 and file.content == f.body
+
+
+def test_json_nested_too_deeply_is_a_502(pypi_proxy: ServerThread, upstream: FakeUpstream) -> None:
+    upstream.files["/simple/deep/"] = b"[" * 100_000 + b"]" * 100_000
+    response = httpx.get(
+        pypi_proxy.url + "/pypi/simple/deep/",
+        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+    )
+    assert response.status_code == 502 and "nested too deeply" in response.text
+
+
+def test_index_pages_over_the_limit_are_refused(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    page = b"<html>" + b"<a href='x.whl'>x.whl</a>" * 50_000  # 1.25 MB
+    evil.routes["/simple/big/"] = hostile.ok(page, b"text/html")
+    evil.routes["/simple/chunked/"] = hostile.streamed(lambda: iter([page] * 3), b"text/html")
+    repos = f"""
+    [[repositories]]
+    name = "pypi"
+    format = "pypi"
+    upstream = "{evil.base_url}/simple/"
+    max_index_size = "1MB"
+    """
+    proxy = proxy_for(tmp_path, start_proxy, repos)
+    for project in ("big", "chunked"):
+        response = httpx.get(f"{proxy.url}/pypi/simple/{project}/")
+        assert response.status_code == 502 and "limit" in response.text, response.text
+    assert evil.requests["/simple/big/"] == 1
+
+
+def test_many_concurrent_index_misses_on_sqlite(
+    pypi_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    for i in range(150):
+        upstream.add_project(f"p{i}", [ProjectFile(f"p{i}-1.0.tar.gz", b"x" * i)])
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=150)) as c:
+            answers = await asyncio.gather(
+                *(c.get(f"{pypi_proxy.url}/pypi/simple/p{i}/") for i in range(150))
+            )
+        return [a.status_code for a in answers]
+
+    assert asyncio.run(burst()) == [200] * 150
+
+
+# -- SSRF ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def internal() -> Iterator[FakeUpstream]:
+    """A service on loopback that no upstream-listed URL may reach."""
+    fake = FakeUpstream()
+    fake.files["/secret"] = b"internal secret"
+    server = start_upstream(fake)
+    yield fake
+    fake.released.set()
+    server.stop()
+
+
+def _listing(upstream: FakeUpstream, project: str, url: str) -> None:
+    page = {
+        "meta": {"api-version": "1.0"},
+        "name": project,
+        "files": [{"filename": f"{project}-1.0.tar.gz", "url": url, "hashes": {}}],
+    }
+    upstream.files[f"/simple/{project}/"] = json.dumps(page).encode()
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "http://127.0.0.1:{port}/secret",
+        "http://user:pw@127.0.0.1:{port}/secret",
+        "http://2130706433:{port}/secret",
+        "http://127.1:{port}/secret",
+        "http://0x7f000001:{port}/secret",
+        "http://localhost:{port}/secret",
+        "http://[::ffff:127.0.0.1]:{port}/secret",
+    ],
+)
+def test_listed_urls_to_internal_addresses_are_refused(
+    pypi_proxy: ServerThread, upstream: FakeUpstream, internal: FakeUpstream, form: str
+) -> None:
+    port = internal.base_url.rsplit(":", 1)[1]
+    _listing(upstream, "evil", form.format(port=port))
+    assert httpx.get(pypi_proxy.url + "/pypi/simple/evil/").status_code == 200
+    response = httpx.get(pypi_proxy.url + "/pypi/files/evil/evil-1.0.tar.gz")
+    assert response.status_code == 502, response.text
+    assert "refused to fetch" in response.text and "allow_hosts" in response.text
+    assert "internal secret" not in response.text
+    assert internal.count("/secret") == 0
+
+
+def test_redirects_and_base_href_to_internal_addresses_are_refused(
+    pypi_proxy: ServerThread, upstream: FakeUpstream, internal: FakeUpstream
+) -> None:
+    f = ProjectFile("hop-1.0.tar.gz", b"hop")
+    upstream.add_project("hop", [f])
+    upstream.fault(f"/packages/{f.filename}", redirect_to=f"{internal.base_url}/secret")
+    assert httpx.get(pypi_proxy.url + "/pypi/simple/hop/").status_code == 200
+    response = httpx.get(pypi_proxy.url + f"/pypi/files/hop/{f.filename}")
+    assert response.status_code == 502 and "loopback" in response.text
+    upstream.files["/simple/based/"] = (
+        f'<html><head><base href="{internal.base_url}/"></head><body>'
+        '<a href="secret">based-1.0.tar.gz</a></body></html>'
+    ).encode()
+    upstream.content_types["/simple/based/"] = "text/html"
+    assert httpx.get(pypi_proxy.url + "/pypi/simple/based/").status_code == 200
+    response = httpx.get(pypi_proxy.url + "/pypi/files/based/based-1.0.tar.gz")
+    assert response.status_code == 502
+    assert internal.count("/secret") == 0
+
+
+def test_allow_hosts_opens_the_way_without_forwarding_credentials(
+    tmp_path: Path, upstream: FakeUpstream, internal: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    config = pypi_config(
+        tmp_path / "data", upstream.base_url, repo_extra='allow_hosts = ["127.0.0.0/8"]'
+    )
+    proxy = start_proxy(load(write_config(tmp_path, config), {}))
+    port = internal.base_url.rsplit(":", 1)[1]
+    _listing(upstream, "inside", f"http://user:pw@127.0.0.1:{port}/secret")
+    httpx.get(proxy.url + "/pypi/simple/inside/")
+    response = httpx.get(proxy.url + "/pypi/files/inside/inside-1.0.tar.gz")
+    assert response.status_code == 200 and response.content == b"internal secret"
+    [(_method, _path, headers)] = [r for r in internal.request_headers if r[1] == "/secret"]
+    assert "authorization" not in headers
+
+
+# -- Maven checksum policy ----------------------------------------------------------------------------
+
+
+JAR = "/org/example/lib/1.0/lib-1.0.jar"
+
+
+def maven_repo(upstream_url: str, extra: str = "") -> str:
+    return f"""
+    [[repositories]]
+    name = "maven"
+    format = "maven"
+    upstream = "{upstream_url}/"
+    {extra}
+    """
+
+
+def test_a_checksum_that_failed_stores_nothing_until_it_can_be_verified(
+    tmp_path: Path, start_proxy: ProxyFactory, upstream: FakeUpstream
+) -> None:
+    body = b"jar bytes"
+    upstream.files[JAR] = body
+    upstream.files[JAR + ".sha1"] = hashlib.sha1(body).hexdigest().encode()
+    upstream.fault(JAR + ".sha1", status=500)
+    proxy = proxy_for(tmp_path, start_proxy, maven_repo(upstream.base_url))
+    first = httpx.get(proxy.url + "/maven" + JAR)
+    assert first.status_code == 502 and "checksum" in first.text
+    upstream.clear_faults()
+    second = httpx.get(proxy.url + "/maven" + JAR)
+    assert second.status_code == 200 and second.content == body
+    assert upstream.count(JAR) == 2  # the first copy was not kept
+
+
+def test_checksum_policy_require_refuses_unverified_artifacts(
+    tmp_path: Path, start_proxy: ProxyFactory, upstream: FakeUpstream
+) -> None:
+    upstream.files[JAR] = b"no checksum anywhere"
+    proxy = proxy_for(
+        tmp_path, start_proxy, maven_repo(upstream.base_url, 'checksum_policy = "require"')
+    )
+    response = httpx.get(proxy.url + "/maven" + JAR)
+    assert response.status_code == 502 and "checksum_policy" in response.text
+
+
+def test_checksum_policy_warn_stores_an_artifact_no_upstream_checksums(
+    tmp_path: Path, start_proxy: ProxyFactory, upstream: FakeUpstream
+) -> None:
+    upstream.files[JAR] = b"no checksum anywhere"
+    proxy = proxy_for(tmp_path, start_proxy, maven_repo(upstream.base_url))
+    assert httpx.get(proxy.url + "/maven" + JAR).status_code == 200
+    assert httpx.get(proxy.url + "/maven" + JAR).status_code == 200
+    assert upstream.count(JAR) == 1
+
+
+# -- lengths --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lengths", [[b"1000"], [b"5", b"26"], [b"-3"], [b"0x10"]], ids=["short", "two", "neg", "hex"]
+)
+def test_bodies_that_lie_about_their_length_are_not_kept(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, lengths: list[bytes]
+) -> None:
+    sent = b"much longer than announced"
+    evil.routes["/liar.bin"] = hostile.raw(
+        head(200, [(b"content-length", length) for length in lengths]) + sent
+    )
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("evil", evil.base_url))
+    for _ in range(2):
+        try:
+            response = httpx.get(proxy.url + "/evil/liar.bin", timeout=10)
+        except httpx.HTTPError:
+            continue  # streamed, then cut: an honest failure
+        assert response.status_code in (502, 504), response.status_code
+    assert evil.requests["/liar.bin"] == 2  # nothing was stored
+
+
+def test_zero_length_entries_have_no_satisfiable_range(
+    tmp_path: Path, start_proxy: ProxyFactory, upstream: FakeUpstream
+) -> None:
+    upstream.files["/empty.txt"] = b""
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("r", upstream.base_url))
+    assert httpx.get(proxy.url + "/r/empty.txt").content == b""
+    response = httpx.get(proxy.url + "/r/empty.txt", headers={"Range": "bytes=-1"})
+    assert response.status_code == 416 and response.headers["content-range"] == "bytes */0"

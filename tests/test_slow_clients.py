@@ -1,0 +1,183 @@
+"""Slow and hostile clients against a real `proxy serve` (proxy/http_protocol.py,
+proxy/server.py): half-sent heads time out, huge heads are refused before they are
+buffered, clients that never read cost a bounded buffer each, and a user's metrics
+folder survives --workers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.http_protocol import HEAD_TIMEOUT_S, MAX_HEAD_BYTES
+from tests import hostile
+from tests.conftest import write_config
+from tests.pg import free_port
+from tests.processes import ProxyProcess
+from tests.upstream import FakeUpstream
+
+pytestmark = pytest.mark.slow
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, upstream: FakeUpstream) -> Iterator[ProxyProcess]:
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [[repositories]]
+        name = "files"
+        format = "raw"
+        upstream = "{upstream.base_url}/"
+        """,
+    )
+    process = ProxyProcess(config, tmp_path, "proxy").start().wait_ready()
+    yield process
+    process.stop()
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_half_sent_heads_time_out_and_the_proxy_keeps_serving(
+    proxy: ProxyProcess, upstream: FakeUpstream
+) -> None:
+    upstream.files["/a.txt"] = b"a"
+    sockets = hostile.open_sockets(proxy.port, 200, b"GET /files/a.txt HTTP/1.1\r\nHost: x\r\n")
+    idle = hostile.open_sockets(proxy.port, 50, b"")
+    try:
+        assert httpx.get(proxy.url + "/files/a.txt", timeout=5).content == b"a"
+        deadline = HEAD_TIMEOUT_S + 10
+        answer = hostile.closed_by_server(sockets[0], deadline)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+        for sock in sockets[1:] + idle:
+            assert hostile.closed_by_server(sock, 5) is not None, "a connection stayed open"
+    finally:
+        for sock in sockets + idle:
+            sock.close()
+
+
+def test_a_huge_head_is_refused_before_it_is_buffered(proxy: ProxyProcess) -> None:
+    before = rss_mib(proxy.pid)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"GET /files/a.txt HTTP/1.1\r\nX-Long: ")
+        sent = 0
+        try:
+            while sent < 64 * MiB:  # never ends the line; the server must cut us off
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = hostile.closed_by_server(sock, 10)
+    assert sent < 8 * MiB, f"{sent} bytes were taken before the refusal"
+    assert answer is None or answer == b"" or answer.startswith(b"HTTP/1.1 431")
+    assert rss_mib(proxy.pid) - before < 32
+    assert MiB > MAX_HEAD_BYTES
+
+
+def test_clients_that_never_read_cost_a_bounded_buffer_each(
+    proxy: ProxyProcess, upstream: FakeUpstream
+) -> None:
+    upstream.files["/big.bin"] = os.urandom(8 * MiB)
+    assert len(httpx.get(proxy.url + "/files/big.bin", timeout=30).content) == 8 * MiB
+    before = rss_mib(proxy.pid)
+    request = b"GET /files/big.bin HTTP/1.1\r\nHost: x\r\n\r\n"
+    sockets = []
+    for _ in range(300):
+        sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(request)
+        sockets.append(sock)
+    try:
+        time.sleep(3)  # every response has stalled on its client by now
+        grown = rss_mib(proxy.pid) - before
+        print(f"300 stalled clients: +{grown:.0f} MiB")
+        assert grown < 300, f"300 stalled clients cost {grown:.0f} MiB"  # was 669 MiB
+        assert httpx.get(proxy.url + "/healthz", timeout=5).status_code == 200
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_a_users_metrics_folder_is_kept_with_workers(tmp_path: Path) -> None:
+    metrics_dir = tmp_path / "metrics"
+    (metrics_dir / "subfolder").mkdir(parents=True)
+    (metrics_dir / "notes.txt").write_text("mine")
+    (metrics_dir / "counter_999999999.db").write_bytes(b"not ours")  # looks like a metrics file
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+    env = {
+        **clean,
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "PROXY_STORAGE_PATH": str(tmp_path / "d"),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--workers", "2", "--listen", f"127.0.0.1:{port}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        for _ in range(4):
+            httpx.get(f"http://127.0.0.1:{port}/gradle-cache/abc", timeout=5)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'proxy_http_requests_total{method="GET",repository="gradle-cache"' in text
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=60)[0].decode()
+    assert (metrics_dir / "notes.txt").read_text() == "mine"
+    assert (metrics_dir / "subfolder").is_dir()
+    assert (metrics_dir / "counter_999999999.db").read_bytes() == b"not ours"
+    assert sorted(p.name for p in metrics_dir.iterdir()) == [
+        "counter_999999999.db",
+        "notes.txt",
+        "subfolder",
+    ], "our private folder inside it is gone"
+    assert "Traceback" not in output, output
+
+
+def test_a_metrics_folder_that_does_not_exist_yet_is_created(tmp_path: Path) -> None:
+    metrics_dir = tmp_path / "not-yet"
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+    env = {
+        **clean,
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "PROXY_STORAGE_PATH": str(tmp_path / "d"),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{port}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=60)[0].decode()
+    assert metrics_dir.is_dir() and "Traceback" not in output, output
