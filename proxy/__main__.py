@@ -1,3 +1,4 @@
 from proxy.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # spawned children (workers, the parse process) import this too
+    raise SystemExit(main())

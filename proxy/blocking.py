@@ -12,14 +12,21 @@ that disk work never waits behind a parse.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import signal
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
 T = TypeVar("T")
 
 IO_THREADS = 32
 CPU_THREADS = 2
+CPU_PROCESSES = 1
+LARGE_INPUT_BYTES = 1024 * 1024  # inputs from this size on are handled in a child process
+CHILD_TASKS = 100  # a child is replaced after this many, so its memory does not linger
 
 
 async def run_blocking(fn: Callable[..., T], *args: object) -> T:
@@ -33,13 +40,47 @@ def install_io_executor(loop: asyncio.AbstractEventLoop) -> ThreadPoolExecutor:
 
 
 class CpuPool:
-    """Threads for CPU-heavy work on untrusted input; ``await pool.run(fn, *args)``."""
+    """Where CPU-heavy work on untrusted input runs: ``await pool.run(fn, *args)``.
+
+    Small inputs go to a thread (cheap; the work is short). Large ones go to a child
+    process: parsing or rendering a page of tens of MB spends long stretches in C code
+    that holds the interpreter lock (``json.loads``, ``json.dumps``) and creates millions
+    of objects whose garbage collection would hold it too, and in a thread both stall
+    the event loop for hundreds of milliseconds. The child also keeps that memory out of
+    the server process. ``fn`` and its arguments must be picklable (module-level).
+    """
 
     def __init__(self, threads: int = CPU_THREADS) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cpu")
+        self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cpu")
+        self._processes: ProcessPoolExecutor | None = None
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        loop = asyncio.get_running_loop()
+        size = sum(len(a) for a in args if isinstance(a, bytes | str))
+        if size < LARGE_INPUT_BYTES:
+            return await loop.run_in_executor(self._threads, fn, *args)
+        if self._processes is None:
+            self._processes = ProcessPoolExecutor(
+                max_workers=CPU_PROCESSES,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_child_init,
+                max_tasks_per_child=CHILD_TASKS,
+            )
+        try:
+            return await loop.run_in_executor(self._processes, fn, *args)
+        except BrokenProcessPool:
+            # The child died (killed, out of memory): start a new one next time.
+            self._processes = None
+            raise
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.shutdown(wait=False, cancel_futures=True)
+
+
+def _child_init() -> None:
+    # The child's metrics are never exported: keep them in memory, out of the shared
+    # multiprocess folder (read before proxy.metrics is first imported here).
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us, not a Ctrl+C

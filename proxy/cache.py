@@ -37,7 +37,7 @@ from proxy.exceptions import (
 )
 from proxy.fetch import Fetcher, Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
 from proxy.responses import HotBlobs
-from proxy.types import Digests, Kind, Link
+from proxy.types import Digests, Kind, Link, LinkBatch
 
 log = logging.getLogger("proxy.cache")
 
@@ -131,7 +131,10 @@ class CatalogLinks:
         self.catalog = catalog
         self.repository = repository
 
-    async def record(self, links: Iterable[Link]) -> None:
+    async def record(self, links: Iterable[Link] | LinkBatch) -> None:
+        if isinstance(links, LinkBatch):
+            await self.catalog.put_links(links)
+            return
         batch = list(links)
         if any(link.repository != self.repository for link in batch):
             raise ValueError(f"links recorded for {self.repository!r} name another repository")

@@ -53,7 +53,17 @@ from proxy.options import (
     toml_key,
 )
 from proxy.settings import RepositorySettings
-from proxy.types import KNOWN_DIGESTS, Digests, Kind, Link, Receive, Scope, Send, Validators
+from proxy.types import (
+    KNOWN_DIGESTS,
+    Digests,
+    Kind,
+    Link,
+    LinkBatch,
+    Receive,
+    Scope,
+    Send,
+    Validators,
+)
 
 __all__ = [
     "KNOWN_DIGESTS",
@@ -75,6 +85,7 @@ __all__ = [
     "Integer",
     "Kind",
     "Link",
+    "LinkBatch",
     "LinkStore",
     "NotConfigured",
     "NotFound",
@@ -223,7 +234,10 @@ class UpstreamClient(Protocol):
 class LinkStore(Protocol):
     """The upstream URLs a repository's index pages listed (one repository's view)."""
 
-    async def record(self, links: Iterable[Link]) -> None: ...
+    async def record(self, links: Iterable[Link] | LinkBatch) -> None:
+        """Remember ``links`` (a ``LinkBatch`` when they were encoded where the page was
+        parsed, e.g. in ``OriginContext.compute``)."""
+        ...
 
     async def get(self, key: str) -> Link | None: ...
 

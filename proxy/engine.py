@@ -3,8 +3,8 @@
 ``open_engine`` is the composition root: it opens the catalog and the blob store,
 builds the fetch machinery and one adapter per repository (looking formats up in the
 registry), and on exit hands every lease back and closes what it opened. The HTTP app
-(``app.py``) serves it; commands that need the engine without a server (``proxy
-mirror``) open it the same way (docs/architecture.md, "Module map").
+(``app.py``) serves it; a command that needs the engine without a server opens it the
+same way (docs/architecture.md, "Module map").
 """
 
 from __future__ import annotations

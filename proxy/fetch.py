@@ -27,7 +27,9 @@ from proxy.entry_index import EntryIndex
 from proxy.exceptions import (
     CatalogError,
     DigestMismatch,
+    ProxyError,
     ShuttingDown,
+    StorageError,
     UpstreamError,
     UpstreamUnavailable,
 )
@@ -150,7 +152,16 @@ class Fetcher:
         except asyncio.CancelledError:
             flight.settle_error(ShuttingDown("the proxy is shutting down"))
             raise
+        except (StorageError, CatalogError) as exc:
+            # Upstream failures are logged where they happen; ours are logged here, once,
+            # by name (e.g. ENOSPC), for the operator.
+            log.error("fetch failed repository=%s key=%s: %s", miss.repository, miss.key, exc)
+            flight.settle_error(exc)
         except Exception as exc:
+            if not isinstance(exc, ProxyError):
+                log.error(
+                    "fetch failed repository=%s key=%s", miss.repository, miss.key, exc_info=exc
+                )
             flight.settle_error(exc)
         finally:
             gauge.dec()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+import json
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,33 @@ class Link:
     url: str
     digests: Digests
     size: int | None = None  # as the index page stated it, when it did
+
+
+@dataclass(frozen=True, slots=True)
+class LinkBatch:
+    """Links already encoded for the catalog (one JSON text), so a page of 100,000 files
+    can be turned into links where it is parsed (a child process) and recorded without
+    rebuilding 100,000 objects in the server."""
+
+    json_text: str
+    count: int
+
+    @classmethod
+    def encode(cls, links: Iterable[Link]) -> LinkBatch:
+        # One row per key, the last listing winning: the same key twice in one batch
+        # would be an error on Postgres ("cannot affect row a second time"), not on SQLite.
+        unique = {(link.repository, link.key): link for link in links}
+        rows = [
+            {
+                "repository": link.repository,
+                "key": link.key,
+                "url": link.url,
+                "digests": link.digests,
+                "size": link.size,
+            }
+            for link in unique.values()
+        ]
+        return cls(json.dumps(rows), len(rows))
 
 
 @dataclass(frozen=True, slots=True)

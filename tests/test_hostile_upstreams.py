@@ -111,7 +111,7 @@ def test_stuck_transfers_to_one_upstream_never_starve_another(
         tmp_path,
         start_proxy,
         repos,
-        FAST_FAIL.replace('read_timeout = "2s"', 'read_timeout = "20s"'),
+        FAST_FAIL.replace('read_timeout = "2s"', 'read_timeout = "5s"'),
     )
 
     async def scenario() -> tuple[list[httpx.Response], httpx.Response, float]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from proxy.clock import SYSTEM_CLOCK, Clock
-from proxy.types import Digests, Kind, Link
+from proxy.types import Digests, Kind, Link, LinkBatch
 
 LEASE_STATES = ("fetching", "done", "failed", "released")
 
@@ -129,7 +129,7 @@ class Catalog(Protocol):
     async def delete_expired_negatives(self, older_than_ms: int) -> int: ...
 
     # -- links (PyPI files an index listed) ---------------------------------------------
-    async def put_links(self, links: Sequence[Link]) -> None: ...
+    async def put_links(self, links: Sequence[Link] | LinkBatch) -> None: ...
 
     async def get_link(self, repository: str, key: str) -> Link | None: ...
 

@@ -17,7 +17,7 @@ from proxy.blocking import run_blocking
 from proxy.catalog import Entry, LeaseGrant, LeaseRow, Usage, entry_from_row, entry_to_row
 from proxy.catalog.queries import Queries
 from proxy.clock import Clock
-from proxy.types import Link
+from proxy.types import Link, LinkBatch
 
 
 class SqlCatalog:
@@ -100,11 +100,12 @@ class SqlCatalog:
 
     # -- links ------------------------------------------------------------------------------
 
-    async def put_links(self, links: Sequence[Link]) -> None:
-        if links:
+    async def put_links(self, links: Sequence[Link] | LinkBatch) -> None:
+        if not isinstance(links, LinkBatch):
             # A project page can list 100,000 files: encode off the event loop.
-            batch = await run_blocking(_links_json, links)
-            await self._execute("upsert_links", batch, self.clock.now_ms())
+            links = await run_blocking(LinkBatch.encode, links)
+        if links.count:
+            await self._execute("upsert_links", links.json_text, self.clock.now_ms())
 
     async def get_link(self, repository: str, key: str) -> Link | None:
         row = await self._fetchrow("select_link", repository, key)
@@ -149,22 +150,3 @@ class SqlCatalog:
 
     async def give_back_job_run(self, name: str, run_id: int) -> None:
         await self._execute("give_back_job_run", name, run_id)
-
-
-def _links_json(links: Sequence[Link]) -> str:
-    # One row per key, the last listing winning, as the same key twice in one page would
-    # otherwise be an error on Postgres ("cannot affect row a second time") but not on
-    # SQLite.
-    links = list({(link.repository, link.key): link for link in links}.values())
-    return json.dumps(
-        [
-            {
-                "repository": link.repository,
-                "key": link.key,
-                "url": link.url,
-                "digests": link.digests,
-                "size": link.size,
-            }
-            for link in links
-        ]
-    )

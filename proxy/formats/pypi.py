@@ -24,6 +24,7 @@ from proxy.contract import (
     Hosts,
     Kind,
     Link,
+    LinkBatch,
     NotFound,
     OriginContext,
     RepositorySettings,
@@ -224,8 +225,9 @@ def _project_page(
     repository: str,
     project: str,
     representation: str,
-) -> tuple[bytes, list[Link]]:
-    """Our rendering of an upstream project page, and the links to record (a thread)."""
+) -> tuple[bytes, LinkBatch]:
+    """Our rendering of an upstream project page, and the links to record (runs in
+    ``ctx.compute``: a thread, or a child process for a large page)."""
     page = si.parse_project(body, content_type, page_url, project)
     page.files = [f for f in page.files if _keep_file(f, project)]
     links = []
@@ -235,7 +237,7 @@ def _project_page(
         if f.core_metadata:
             digests = f.core_metadata if isinstance(f.core_metadata, dict) else {}
             links.append(Link(repository, key + ".metadata", _sidecar_url(f.url), digests))
-    return si.render_project(page, project, representation), links
+    return si.render_project(page, project, representation), LinkBatch.encode(links)
 
 
 class FileOrigin:
