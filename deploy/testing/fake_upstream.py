@@ -15,6 +15,8 @@ import argparse
 import hashlib
 import html
 import json
+import signal
+import sys
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,6 +90,8 @@ def main() -> None:
     parser.add_argument("--host", default="0.0.0.0")
     args = parser.parse_args()
     Handler.index = Index(args.root)
+    # PID 1 in its container: without a handler, SIGTERM would be ignored until SIGKILL.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     print(f"upstream: serving {args.root} on {args.host}:{args.port}", flush=True)
     server.serve_forever()

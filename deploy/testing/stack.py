@@ -93,15 +93,17 @@ def free_port() -> int:
 # ------------------------------------------------------------------------ engine, images
 
 
-def standins_tool() -> Path | None:
+def standins_tool() -> list[str] | None:
+    """The docker-standins command: $DOCKER_STANDINS, or ../shared/tools beside the repo."""
     candidates = [
         os.environ.get("DOCKER_STANDINS", ""),
         str(ROOT.parent / "shared" / "tools" / "docker-standins"),
         "/work/shared/tools/docker-standins",
     ]
     for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK):
-            return Path(candidate)
+        if candidate and os.path.isfile(candidate):
+            # A read-only copy may have lost its execute bit: run it with bash then.
+            return [candidate] if os.access(candidate, os.X_OK) else ["bash", candidate]
     return None
 
 
@@ -120,8 +122,8 @@ def ensure_engine() -> None:
     tool = standins_tool()
     if tool is None:
         raise RuntimeError("no Docker engine answers `docker info`, and docker-standins is absent")
-    log(f"no Docker engine answers: starting one with {tool} engine")
-    run([str(tool), "engine"], timeout=900, capture=False)
+    log(f"no Docker engine answers: starting one with {' '.join(tool)} engine")
+    run([*tool, "engine"], timeout=900, capture=False)
     if not engine_up():
         raise RuntimeError("the Docker engine did not come up")
 
@@ -141,8 +143,8 @@ def standins_engine_pid() -> int | None:
 def restart_standins_engine() -> None:
     tool = standins_tool()
     assert tool is not None
-    run([str(tool), "stop"], timeout=120, capture=False)
-    run([str(tool), "engine"], timeout=300, capture=False)
+    run([*tool, "stop"], timeout=120, capture=False)
+    run([*tool, "engine"], timeout=300, capture=False)
 
 
 def base_images() -> list[str]:
@@ -175,8 +177,8 @@ def ensure_images(images: Sequence[str]) -> None:
         tool = standins_tool()
         if tool is None:
             raise RuntimeError(f"cannot pull {', '.join(missing)} and docker-standins is absent")
-        log(f"  building local stand-ins: {tool} build --no-pull {' '.join(missing)}")
-        run([str(tool), "build", "--no-pull", *missing], timeout=1800, capture=False)
+        log(f"  building local stand-ins: {' '.join(tool)} build --no-pull {' '.join(missing)}")
+        run([*tool, "build", "--no-pull", *missing], timeout=1800, capture=False)
 
 
 def build_image(tag: str = IMAGE) -> float:
