@@ -41,6 +41,7 @@ from stack import (
     log,
     restart_standins_engine,
     standins_engine_pid,
+    stop_standins_engine,
     wait_for,
 )
 
@@ -61,14 +62,17 @@ class Checks:
         self.stack = stack
         self.client = httpx.Client(timeout=30)
         self.failed: list[str] = []
+        self.passed = self.skipped = 0
 
     def check(self, name: str, body: Callable[[], str]) -> None:
         started = time.monotonic()
         try:
             detail = body()
             status = "PASS"
+            self.passed += 1
         except Skip as exc:
             status, detail = "SKIP", str(exc)
+            self.skipped += 1
         except Exception as exc:
             status, detail = "FAIL", f"{type(exc).__name__}: {exc}"
             self.failed.append(name)
@@ -311,7 +315,7 @@ def main() -> int:
     total = time.monotonic()
 
     log("deploy test: Docker engine and base images")
-    ensure_engine()
+    started_engine = ensure_engine()
     restart_daemon = args.restart_daemon == "yes" or (
         args.restart_daemon == "auto" and standins_engine_pid() is not None
     )
@@ -360,8 +364,14 @@ def main() -> int:
             started = time.monotonic()
             stack.down()
             log(f"torn down in {time.monotonic() - started:.1f}s")
-    log(f"deploy test: {'FAILED: ' + ', '.join(checks.failed) if checks.failed else 'all checks passed'} "
-        f"in {time.monotonic() - total:.0f}s")  # fmt: skip
+        if started_engine and not args.keep:
+            stop_standins_engine()  # this run started it: leave the machine as it was
+    log(
+        f"deploy test: {time.monotonic() - total:.0f}s; failed: {', '.join(checks.failed) or 'none'}"
+    )
+    log(
+        f"deploy-test: {checks.passed} passed, {len(checks.failed)} failed, {checks.skipped} skipped"
+    )
     return 1 if checks.failed else 0
 
 

@@ -116,9 +116,10 @@ def engine_up() -> bool:
         return False
 
 
-def ensure_engine() -> None:
+def ensure_engine() -> bool:
+    """True if this call started the engine (with docker-standins)."""
     if engine_up():
-        return
+        return False
     tool = standins_tool()
     if tool is None:
         raise RuntimeError("no Docker engine answers `docker info`, and docker-standins is absent")
@@ -126,6 +127,13 @@ def ensure_engine() -> None:
     run([*tool, "engine"], timeout=900, capture=False)
     if not engine_up():
         raise RuntimeError("the Docker engine did not come up")
+    return True
+
+
+def stop_standins_engine() -> None:
+    tool = standins_tool()
+    if tool is not None and standins_engine_pid() is not None:
+        run([*tool, "stop"], timeout=120, capture=False)
 
 
 def standins_engine_pid() -> int | None:
