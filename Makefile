@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test check lint format bench clean
+.PHONY: serve test check lint format bench clean lock deploy-test bench-lb
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,25 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/hits.py
+
+# The image and the compose stack on a real Docker engine (deploy/test_stack.py). Where
+# public images cannot be pulled, ../shared/tools/docker-standins provides the engine and
+# local stand-ins of the base images under the same names.
+deploy-test: $(STAMP)
+	$(BIN)/python deploy/test_stack.py
+
+bench-lb: $(STAMP)
+	$(BIN)/python bench/lb.py
+
+# The image installs requirements.lock (runtime dependencies + the image's init, with
+# hashes) and builds the project with requirements-build.lock (the build backend).
+# Regenerate both after changing dependencies in pyproject.toml: `make lock`.
+LOCK_FLAGS := --universal --python-version 3.11 --generate-hashes --quiet
+lock: $(STAMP)
+	$(BIN)/uv pip compile $(LOCK_FLAGS) --output-file requirements.lock \
+	  pyproject.toml deploy/image-requirements.in
+	$(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
+	  | $(BIN)/uv pip compile $(LOCK_FLAGS) --output-file requirements-build.lock -
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -124,12 +124,21 @@ def make_file(path: Path, size: int) -> Path:
     return path
 
 
-def wrk(url: str, connections: int, duration_s: int, threads: int = 2) -> dict[str, float]:
+def wrk(
+    url: str,
+    connections: int,
+    duration_s: int,
+    threads: int = 2,
+    headers: dict[str, str] | None = None,
+) -> dict[str, float]:
     """Run wrk; requests/s, bytes/s and latency percentiles (ms)."""
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed: apt-get install wrk")
+    header_args = [
+        arg for name, value in (headers or {}).items() for arg in ("-H", f"{name}: {value}")
+    ]
     out = subprocess.run(
-        ["wrk", "--latency", f"-t{threads}", f"-c{connections}", f"-d{duration_s}s", url],
+        ["wrk", "--latency", f"-t{threads}", f"-c{connections}", f"-d{duration_s}s", *header_args, url],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     result = {
