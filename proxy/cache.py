@@ -193,7 +193,7 @@ class RepositoryView:
             if checksum_headers and isinstance(outcome, Stored | Stale):
                 answer_headers = {**extra, **checksum_headers_of(outcome.entry)}
             try:
-                return await self._render(outcome, request, answer_headers)
+                return await self._render(outcome, spec, request, answer_headers)
             except FileNotFoundError:
                 assert isinstance(outcome, Stored | Stale)
                 if attempt == 2:
@@ -207,14 +207,19 @@ class RepositoryView:
         # never the artifact (a 404 would make clients believe it does not exist).
         raise StorageError(f"{spec.key}: its blob vanished right after it was stored")
 
-    async def _render(self, outcome: Outcome, request: Request, extra: dict[str, str]) -> Response:
+    async def _render(
+        self, outcome: Outcome, spec: FetchSpec, request: Request, extra: dict[str, str]
+    ) -> Response:
         if isinstance(outcome, Stored):
             return await self._render_entry(outcome.entry, request, extra)
         if isinstance(outcome, Stale):
-            extra = {**extra, "warning": '110 - "Response is Stale"'}
+            # Expired: say so, and let no cache keep it.
+            extra = {**extra, "warning": '110 - "Response is Stale"', "cache-control": "no-cache"}
             return await self._render_entry(outcome.entry, request, extra)
         if isinstance(outcome, Streaming):
-            return responses.downloading(request.method, outcome.download, extra, self.name)
+            now_ms = self.cache.clock.now_ms()
+            policy = responses.cache_control(spec.kind, spec.expires_at_ms(now_ms), now_ms)
+            return responses.downloading(request.method, outcome.download, extra, self.name, policy)
         if isinstance(outcome, Inline):
             return responses.inline(
                 request.headers,
@@ -233,8 +238,9 @@ class RepositoryView:
         assert entry.sha256 is not None
         path = self.cache.blobs.path_str(entry.sha256)
         return await responses.blob(
-            request.headers, request.method, entry, path, self.cache.hot, extra
-        )
+            request.headers, request.method, entry, path, self.cache.hot, extra,
+            self.cache.clock.now_ms(),
+        )  # fmt: skip
 
     async def is_fresh(self, key: str) -> bool:
         entry = await self.cache.lookup(self.name, key)

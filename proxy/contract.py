@@ -173,10 +173,11 @@ def redirect(location: str, status: int = 301) -> Response:
 
 
 def empty_response(status: int, headers: Mapping[str, str] | None = None) -> Response:
-    """A body-less answer (201 after an upload, 200 to a HEAD probe)."""
-    encoded = [(k.lower().encode(), v.encode("latin-1")) for k, v in (headers or {}).items()]
-    if "content-length" not in {k.lower() for k in (headers or {})}:
-        encoded.append((b"content-length", b"0"))
+    """A body-less answer (201 after an upload, 200 to a HEAD probe), kept by no cache."""
+    given = {k.lower(): v for k, v in (headers or {}).items()}
+    given.setdefault("content-length", "0")
+    given.setdefault("cache-control", "no-store")
+    encoded = [(k.encode(), v.encode("latin-1")) for k, v in given.items()]
     return _responses.BodyResponse(status, encoded, b"")
 
 

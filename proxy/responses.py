@@ -29,7 +29,7 @@ from proxy.http_semantics import (
     not_modified_since,
     parse_range,
 )
-from proxy.types import Receive, Scope, Send
+from proxy.types import Kind, Receive, Scope, Send
 
 log = logging.getLogger("proxy.responses")
 
@@ -181,9 +181,24 @@ async def _watch_disconnect(receive: Receive, disconnected: asyncio.Event) -> No
 
 # -- building responses ----------------------------------------------------------------
 
+# Cache-Control, so a CDN or the load balancer can absorb hits (docs/architecture.md,
+# "Caching by others"): immutable files forever; fresh metadata for what is left of its
+# TTL; anything computed or stale revalidated; errors and uploads never stored.
+IMMUTABLE_CACHE_CONTROL = b"public, max-age=31536000, immutable"
+REVALIDATE = b"no-cache"
+NEVER_STORE = b"no-store"
+
+
+def cache_control(kind: Kind, expires_at_ms: int | None, now_ms: int) -> bytes:
+    if kind is Kind.IMMUTABLE:
+        return IMMUTABLE_CACHE_CONTROL
+    if kind is Kind.METADATA and expires_at_ms is not None:
+        return b"public, max-age=%d" % max(0, (expires_at_ms - now_ms) // 1000)
+    return NEVER_STORE  # hosted (build-cache uploads), or anything else
+
 
 def error(status: int, message: str, extra: Mapping[str, str] | None = None) -> BodyResponse:
-    headers = [(b"content-type", b"text/plain; charset=utf-8")]
+    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"cache-control", NEVER_STORE)]
     for name, value in (extra or {}).items():
         headers.append((name.lower().encode(), value.encode("latin-1")))
     body = (message.rstrip("\n") + "\n").encode()
@@ -199,10 +214,11 @@ def inline(
     extra: Mapping[str, str],
     repository: str,
 ) -> BodyResponse:
-    """An in-memory body (never stored) with a computed ETag."""
+    """An in-memory body (never stored) with a computed ETag; revalidated by caches."""
     etag = etag_of(hashlib.sha256(body).hexdigest())
     headers = _base_headers(content_type, extra)
     headers.append((b"etag", etag.encode()))
+    headers.append((b"cache-control", REVALIDATE))
     if matches_etag(request_headers.get("if-none-match"), etag):
         return BodyResponse(304, headers, b"", repository)
     headers.append((b"content-length", str(len(body)).encode()))
@@ -216,6 +232,7 @@ async def blob(
     path: str,
     hot: HotBlobs,
     extra: Mapping[str, str],
+    now_ms: int,
 ) -> BodyResponse | FileResponse:
     """Serve a stored entry. Raises FileNotFoundError if its blob is gone."""
     assert entry.sha256 is not None
@@ -224,6 +241,8 @@ async def blob(
     if not last_modified or not header_value_ok(last_modified):
         last_modified = http_date(entry.fetched_at_ms)
     headers = _base_headers(entry.content_type, extra)
+    if "cache-control" not in extra:
+        headers.append((b"cache-control", cache_control(entry.kind, entry.expires_at_ms, now_ms)))
     headers.append((b"etag", etag.encode()))
     headers.append((b"last-modified", last_modified.encode("latin-1")))
     headers.append((b"accept-ranges", b"bytes"))
@@ -271,9 +290,14 @@ def _read_file(path: str) -> bytes:
 
 
 def downloading(
-    method: str, download: Download, extra: Mapping[str, str], repository: str
+    method: str,
+    download: Download,
+    extra: Mapping[str, str],
+    repository: str,
+    cache_control_value: bytes,
 ) -> DownloadResponse:
     headers = _base_headers(download.content_type, extra)
+    headers.append((b"cache-control", cache_control_value))
     if download.total is not None:
         headers.append((b"content-length", str(download.total).encode()))
     return DownloadResponse(headers, download, repository, head=method == "HEAD")
