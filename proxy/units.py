@@ -71,6 +71,16 @@ def format_size(n_bytes: int) -> str:
     return f"{n_bytes}B"
 
 
+def human_size(n_bytes: int) -> str:
+    """A rounded size for summaries and logs: ``"1.5 GiB"``, ``"812 KiB"``, ``"0 B"``."""
+    size = float(n_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
 def format_duration(seconds: float) -> str:
     for unit, factor in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= factor and seconds % factor == 0:
