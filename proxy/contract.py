@@ -51,7 +51,7 @@ from proxy.options import (
     option,
 )
 from proxy.settings import RepositorySettings
-from proxy.types import Digests, Kind, Link, Receive, Scope, Send, Validators
+from proxy.types import Digests, Kind, Link, PackageRef, Receive, Scope, Send, Validators
 
 __all__ = [
     "Adapter",
@@ -73,12 +73,15 @@ __all__ = [
     "Kind",
     "Link",
     "LinkStore",
+    "MirrorAdapter",
+    "MirrorVersions",
     "NotConfigured",
     "NotFound",
     "OptionType",
     "OptionalSize",
     "Origin",
     "OriginContext",
+    "PackageRef",
     "PayloadTooLarge",
     "Reporter",
     "RepositoryCache",
@@ -108,6 +111,9 @@ OptionsT = TypeVar("OptionsT")
 
 Response = Callable[[Scope, Receive, Send], Awaitable[None]]
 """What an adapter answers with: an ASGI callable (build one with the helpers below)."""
+
+MirrorVersions = Literal["latest", "all"]
+"""Which versions a mirror warms for a package named without a version."""
 
 
 # -- requests ---------------------------------------------------------------------------
@@ -330,6 +336,14 @@ class RepositoryCache(Protocol):
         """Make sure ``spec.key`` is cached and fresh, sharing any fetch in progress."""
         ...
 
+    async def read(self, spec: FetchSpec, limit: int) -> bytes:
+        """The body of ``spec.key`` (warmed first, like ``warm``), for a small document a
+        format must look into (an index page, maven-metadata.xml).
+
+        ``NotFound`` for a confirmed miss; ``UpstreamError`` past ``limit`` bytes.
+        """
+        ...
+
     async def store_upload(
         self, key: str, body: AsyncIterator[bytes], max_size: int, content_type: str | None
     ) -> None:
@@ -350,6 +364,20 @@ class RepositoryCache(Protocol):
 
 class Adapter(Protocol):
     async def handle(self, request: Request) -> Response: ...
+
+
+class MirrorAdapter(Adapter, Protocol):
+    """An adapter of a format that declares ``purl_types``: it can list what to warm."""
+
+    async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
+        """The keys that make up ``package``: for a versioned package, that version's
+        files; otherwise the latest or every version's. The engine warms each one.
+
+        May read small documents through the cache (``RepositoryCache.read``) to find
+        them. ``NotFound`` if the package or version does not exist upstream,
+        ``BadRequest`` if the purl cannot name anything in this format.
+        """
+        ...
 
 
 @dataclass(frozen=True)
@@ -376,3 +404,6 @@ class FormatPlugin(Generic[OptionsT]):
     warnings: Callable[[RepositorySettings[OptionsT], str], Iterable[str]] | None = None
     # A total the engine keeps this repository under (least recently used go first).
     max_size: Callable[[OptionsT], int | None] | None = None
+    # purl types (``pkg:<type>/...``) this format can mirror; its adapter is then a
+    # ``MirrorAdapter``.
+    purl_types: tuple[str, ...] = ()

@@ -46,9 +46,7 @@ async def test_evict_lru_frees_exactly_the_overshoot_in_access_order(catalog: Ca
     for i in range(10):
         await catalog.put_entry(_entry(f"k{i}", _sha(i), 100, accessed_ms=1000 + i))
     await catalog.put_entry(_entry("hosted", _sha(50), 500, 1, kind=Kind.HOSTED))
-    await catalog.put_entry(
-        _entry("neg", None, 0, 1, kind=Kind.NEGATIVE, expires_at_ms=10**15)
-    )
+    await catalog.put_entry(_entry("neg", None, 0, 1, kind=Kind.NEGATIVE, expires_at_ms=10**15))
     usage = await catalog.storage_usage()
     assert (usage.proxied_entries, usage.proxied_bytes, usage.hosted_bytes) == (10, 1000, 500)
 
@@ -121,7 +119,12 @@ async def test_job_runs_record_outcome_and_give_back(catalog: Catalog, clock: Ma
     run_id = await catalog.claim_job_run("evict", 3600, "me")
     assert run_id is not None
     [run], _ = await catalog.job_runs()
-    assert (run.name, run.outcome, run.holder, run.finished_at_ms) == ("evict", "running", "me", None)
+    assert (run.name, run.outcome, run.holder, run.finished_at_ms) == (
+        "evict",
+        "running",
+        "me",
+        None,
+    )
     await catalog.finish_job_run("evict", run_id, "ok")
     [run], now_ms = await catalog.job_runs()
     assert run.outcome == "ok" and run.finished_at_ms is not None

@@ -14,6 +14,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
+from packaging.version import InvalidVersion, Version
+
 from proxy.contract import (
     BadRequest,
     Duration,
@@ -23,9 +31,11 @@ from proxy.contract import (
     FormatPlugin,
     Kind,
     Link,
+    MirrorVersions,
     NotConfigured,
     NotFound,
     OriginContext,
+    PackageRef,
     RepositorySettings,
     Request,
     Response,
@@ -135,16 +145,76 @@ class PypiRepository:
             raise BadRequest(f"{name!r} is not a normalized project name")
         if not si.is_safe_filename(filename):
             raise BadRequest(f"{filename!r} is not a valid file name")
-        key = f"files/{name}/{filename}"
-        if not await self.cache.is_fresh(key):
+        spec = self.file_spec(name, filename)
+        if not await self.cache.is_fresh(spec.key):
             self._require_upstream()
-        spec = FetchSpec(
+        return await self.cache.respond(spec, request)
+
+    def file_spec(self, project: str, filename: str) -> FetchSpec:
+        key = f"files/{project}/{filename}"
+        return FetchSpec(
             key=key,
             kind=Kind.IMMUTABLE,
-            origin=FileOrigin(key, lambda: self.index_spec(name, "json")),
+            origin=FileOrigin(key, lambda: self.index_spec(project, "json")),
             negative_ttl_s=self.options.negative_ttl_s,
         )
-        return await self.cache.respond(spec, request)
+
+    # -- mirrors ---------------------------------------------------------------------
+
+    async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
+        """Every file of the version(s) a purl names, from the project's index page."""
+        if not si.is_valid_project_name(package.name) or package.namespace:
+            raise BadRequest(f"{package}: not a PyPI project name")
+        project = si.normalize(package.name)
+        self._require_upstream()
+        body = await self.cache.read(self.index_spec(project, "json"), INDEX_BODY_LIMIT_BYTES)
+        page = si.parse_project(body, si.JSON_V1, f"http://proxy/simple/{project}/", project)
+        chosen = select_files(page.files, package.version, versions)
+        if not chosen:
+            wanted = f"version {package.version}" if package.version else "a release"
+            raise NotFound(f"{package}: the index of {project!r} lists no file of {wanted}")
+        specs = []
+        for f in chosen:
+            specs.append(self.file_spec(project, f.filename))
+            if f.core_metadata:  # PEP 658: what resolvers fetch before the file
+                specs.append(self.file_spec(project, f.filename + ".metadata"))
+        return specs
+
+
+def file_version(filename: str) -> Version | None:
+    """The version in a wheel or sdist file name (None if it names none we can read)."""
+    try:
+        if filename.endswith(".whl"):
+            return parse_wheel_filename(filename)[1]
+        return parse_sdist_filename(filename)[1]
+    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
+        return None
+
+
+def select_files(
+    files: list[si.FileLink], version: str | None, versions: MirrorVersions
+) -> list[si.FileLink]:
+    """The files of ``version``; without one, of the latest release or of every version.
+
+    The latest is the highest version with a file that is not yanked, preferring final
+    releases over pre-releases (as pip does). A pinned version is taken even if yanked.
+    """
+    dated = [(f, file_version(f.filename)) for f in files]
+    if version is not None:
+        try:
+            wanted = Version(version)
+        except InvalidVersion:
+            raise BadRequest(f"{version!r} is not a valid PyPI version (PEP 440)") from None
+        return [f for f, v in dated if v == wanted]
+    live = [(f, v) for f, v in dated if v is not None and not f.yanked]
+    if versions == "all":
+        return [f for f, _ in live]
+    found = {v for _, v in live}
+    releases = {v for v in found if not v.is_prerelease}
+    if not found:
+        return []
+    latest = max(releases or found)
+    return [f for f, v in live if v == latest]
 
 
 class IndexOrigin:
@@ -286,4 +356,5 @@ FORMAT = FormatPlugin(
     options=PypiOptions,
     build=PypiRepository,
     default_repository={"name": "pypi", "format": "pypi"},
+    purl_types=("pypi",),
 )
