@@ -24,6 +24,7 @@ BEGIN
     INSERT INTO blob_tombstones (sha256, size, tombstoned_at)
     SELECT DISTINCT ON (sha256) sha256, size, clock_timestamp()
     FROM gone WHERE sha256 IS NOT NULL
+    ORDER BY sha256  -- one lock order for every deleting statement: no deadlock
     ON CONFLICT (sha256) DO UPDATE SET tombstoned_at = EXCLUDED.tombstoned_at;
     RETURN NULL;
 END

@@ -80,11 +80,14 @@ SELECT p.entries, p.bytes, h.bytes, t.bytes FROM
 
 -- name: evict_lru
 -- ($1 bytes to free, $2 most entries): delete the least recently accessed proxied
--- entries, in order, until $1 bytes are freed; returns what was deleted. An entry read
--- (touched) since it was picked is kept. The trigger tombstones their blobs.
+-- entries, in order, until $1 bytes are freed; returns what was deleted. Rows another
+-- transaction holds (an access flush touching them) are skipped, never waited for: a
+-- pass and a flush locking rows in different orders would deadlock. The trigger
+-- tombstones their blobs.
 WITH candidates AS (
     SELECT repository, key, size, last_access_ms FROM entries
     WHERE kind IN ('immutable', 'metadata') ORDER BY last_access_ms LIMIT $2
+    FOR UPDATE SKIP LOCKED
 ), victims AS (
     SELECT repository, key, last_access_ms,
            sum(size) OVER (ORDER BY last_access_ms, repository, key) - size AS freed_before
@@ -101,6 +104,7 @@ DELETE FROM entries AS e USING (
     SELECT repository, key FROM entries
     WHERE repository = $1 AND last_access_ms < $2 AND kind IN ('immutable', 'metadata')
     LIMIT $3
+    FOR UPDATE SKIP LOCKED  -- as in evict_lru: never wait on a flush's row locks
 ) AS v
 WHERE e.repository = v.repository AND e.key = v.key AND e.last_access_ms < $2
 RETURNING e.repository, e.key, e.sha256, e.size
