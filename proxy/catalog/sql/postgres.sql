@@ -117,14 +117,15 @@ WHERE EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
 -- name: take_due_tombstones
 -- ($1 grace seconds, $2 most blobs): tombstones older than the grace period whose blob
 -- no entry refers to; the caller deletes their files.
-DELETE FROM blob_tombstones WHERE sha256 IN (
+WITH due AS (
     SELECT t.sha256 FROM blob_tombstones AS t
     WHERE t.tombstoned_at <= clock_timestamp() - make_interval(secs => $1)
       AND NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
     ORDER BY t.tombstoned_at LIMIT $2
     FOR UPDATE SKIP LOCKED
 )
-RETURNING sha256, size
+DELETE FROM blob_tombstones AS b USING due WHERE b.sha256 = due.sha256
+RETURNING b.sha256, b.size
 
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < $1
