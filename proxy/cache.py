@@ -45,7 +45,7 @@ from proxy.types import Digests, Kind, Link
 log = logging.getLogger("proxy.cache")
 
 CHECKSUM_HEADER_DIGESTS = ("sha1", "md5", "sha256")
-TOMBSTONE_BATCH = 1000
+TOMBSTONE_BATCH = 10_000
 # A blob file younger than this is never deleted by the tombstone purge: it was just
 # published again by a fetch whose entry is about to be recorded (if none is, reclaim
 # removes the orphan later).
