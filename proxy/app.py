@@ -39,7 +39,7 @@ from proxy.exceptions import (
 from proxy.paths import check_headers, split_path
 from proxy.settings import Settings
 from proxy.types import Receive, Scope, Send
-from proxy.units import format_size
+from proxy.units import format_size, human_size
 
 log = logging.getLogger("proxy.app")
 
@@ -225,10 +225,10 @@ async def readyz(request: StarletteRequest) -> Response:
     except OSError as exc:
         problems.append(f"storage: cannot write ({describe_os_error(exc)})")
     else:
-        floor = state.settings.storage_min_free
+        floor = state.settings.storage.min_free
         if free < floor:
             problems.append(
-                f"storage: {format_size(free)} free, under storage.min_free ({format_size(floor)})"
+                f"storage: {human_size(free)} free, under storage.min_free ({format_size(floor)})"
             )
     if state.tasks.closing:
         problems.append("shutting down")

@@ -163,6 +163,21 @@ class BlobStore:
 
         return await run_blocking(unlink)
 
+    def delete_older(self, sha256s: Iterable[str], cutoff_s: float) -> set[str]:
+        """Delete the blobs whose file was last modified before ``cutoff_s`` (blocking:
+        run it in the I/O pool); the ones deleted."""
+        deleted = set()
+        for sha256 in sha256s:
+            path = self.path(sha256)
+            try:
+                if os.stat(path).st_mtime >= cutoff_s:
+                    continue  # published again just now: its entry is being recorded
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            deleted.add(sha256)
+        return deleted
+
     def check_writable(self) -> None:
         """Raise OSError unless a temp file can be created, written and removed (/readyz)."""
         probe = self.tmp_dir / f".ready-{uuid.uuid4().hex}"

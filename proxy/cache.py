@@ -1,5 +1,6 @@
 """The engine as formats and jobs see it: look a key up, serve it, fetch it, store an
-upload, evict an entry (docs/architecture.md, "Module map").
+upload, evict entries and delete their blobs after the grace period
+(docs/architecture.md, "Module map", "Eviction and retention").
 
 ``Cache`` owns the shared pieces (catalog, blobs, the in-memory entry index, access
 times, the fetcher). ``Cache.for_repository`` gives each adapter a ``RepositoryView``:
@@ -13,11 +14,12 @@ import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
 
 from proxy import metrics, responses
 from proxy.blobs import BlobStore
 from proxy.blocking import CpuPool, run_blocking
-from proxy.catalog import Catalog, Entry
+from proxy.catalog import Catalog, Entry, Removed, StorageUsage
 from proxy.clock import Clock
 from proxy.contract import (
     FetchSpec,
@@ -33,6 +35,7 @@ from proxy.exceptions import (
     NotFound,
     PayloadTooLarge,
     StorageError,
+    UpstreamError,
     UpstreamUnavailable,
 )
 from proxy.fetch import Fetcher, Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
@@ -42,6 +45,17 @@ from proxy.types import Digests, Kind, Link, LinkBatch
 log = logging.getLogger("proxy.cache")
 
 CHECKSUM_HEADER_DIGESTS = ("sha1", "md5", "sha256")
+TOMBSTONE_BATCH = 10_000
+# A blob file younger than this is never deleted by the tombstone purge: it was just
+# published again by a fetch whose entry is about to be recorded (if none is, reclaim
+# removes the orphan later).
+RECENT_BLOB_GUARD_S = 60.0
+
+
+@dataclass(frozen=True)
+class Purged:
+    blobs: int = 0
+    bytes: int = 0
 
 
 class Cache:
@@ -88,17 +102,53 @@ class Cache:
                 "could not forget repository=%s key=%s: %s", entry.repository, entry.key, exc
             )
 
-    async def evict(self, entry: Entry, blob_min_age_s: float) -> bool:
-        """Remove ``entry`` if it still points at the same blob; then its blob, if no
-        entry refers to it any more. False if the entry changed meanwhile."""
+    async def evict(self, entry: Entry) -> bool:
+        """Remove ``entry`` if it still points at the same blob. False if it changed
+        meanwhile. Its blob is tombstoned (by the catalog) and deleted by
+        ``purge_tombstones`` after the grace period, if no entry refers to it then."""
         if not await self.catalog.delete_entry(entry.repository, entry.key, entry.sha256):
             return False
         self.index.drop(entry.repository, entry.key)
-        if entry.sha256 is not None:
-            await delete_blob_if_orphan(
-                self.catalog, self.blobs, entry.sha256, blob_min_age_s, self.clock
-            )
         return True
+
+    async def evict_lru(self, free_bytes: int, limit: int) -> list[Removed]:
+        """One batch of the eviction pass: least recently accessed proxied entries."""
+        removed = await self.catalog.evict_lru(free_bytes, limit)
+        self._forget_removed(removed)
+        return removed
+
+    async def expire_unused(self, repository: str, before_ms: int, limit: int) -> list[Removed]:
+        """One batch of the retention pass."""
+        removed = await self.catalog.expire_unused(repository, before_ms, limit)
+        self._forget_removed(removed)
+        return removed
+
+    def _forget_removed(self, removed: list[Removed]) -> None:
+        for gone in removed:
+            self.index.drop(gone.repository, gone.key)
+
+    async def purge_tombstones(self, grace_s: float) -> Purged:
+        """Delete the files of blobs unreferenced for longer than ``grace_s``."""
+        await self.catalog.drop_referenced_tombstones()
+        cutoff_s = self.clock.now_ms() / 1000 - RECENT_BLOB_GUARD_S
+        blobs = size = 0
+        while True:
+            due = await self.catalog.take_due_tombstones(grace_s, TOMBSTONE_BATCH)
+            deleted = await run_blocking(self.blobs.delete_older, [sha for sha, _ in due], cutoff_s)
+            blobs += len(deleted)
+            size += sum(n for sha, n in due if sha in deleted)
+            if len(due) < TOMBSTONE_BATCH:
+                break
+        metrics.BLOBS_DELETED.inc(blobs)
+        return Purged(blobs, size)
+
+    async def storage_usage(self) -> StorageUsage:
+        """Totals over every repository; also sets the ``proxy_storage_bytes`` gauges."""
+        usage = await self.catalog.storage_usage()
+        metrics.STORAGE_BYTES.labels(kind="proxied").set(usage.proxied_bytes)
+        metrics.STORAGE_BYTES.labels(kind="hosted").set(usage.hosted_bytes)
+        metrics.STORAGE_BYTES.labels(kind="tombstoned").set(usage.tombstoned_bytes)
+        return usage
 
     async def flush_access(self) -> int:
         """Write this process's buffered access times now (before judging LRU order)."""
@@ -265,6 +315,37 @@ class RepositoryView:
         if entry is None:
             raise UpstreamUnavailable(f"{spec.key}: checksum not available yet; retry", status=503)
         return entry.digests
+
+    async def read(self, spec: FetchSpec, limit: int) -> bytes:
+        outcome, _hit = await self._outcome(spec)
+        for attempt in (1, 2):
+            if isinstance(outcome, Missing):
+                raise NotFound(outcome.message)
+            if isinstance(outcome, Inline):
+                body = outcome.body
+            else:
+                if isinstance(outcome, Streaming):
+                    stored = await outcome.download.result()
+                    if stored is None:
+                        raise UpstreamUnavailable(f"{spec.key}: stored but not recorded; retry")
+                    entry = stored
+                else:
+                    entry = outcome.entry
+                assert entry.sha256 is not None
+                if entry.size > limit:
+                    raise UpstreamError(f"{spec.key}: {entry.size} bytes, over {limit}")
+                try:
+                    body = await run_blocking(self.cache.blobs.path(entry.sha256).read_bytes)
+                except FileNotFoundError:
+                    if attempt == 2:
+                        break
+                    await self.cache.forget(entry)
+                    outcome = await self._fetch(spec, stale=None)
+                    continue
+            if len(body) > limit:
+                raise UpstreamError(f"{spec.key}: {len(body)} bytes, over {limit}")
+            return body
+        raise StorageError(f"{spec.key}: its blob vanished right after it was stored")
 
     async def warm(self, spec: FetchSpec) -> WarmResult:
         outcome, hit = await self._outcome(spec)

@@ -1,4 +1,4 @@
-"""``proxy serve | check-config | migrate | gc | stats``.
+"""``proxy serve | check-config | migrate | gc | stats | mirror | jobs``.
 
 Nothing of the proxy is imported at module level: the Prometheus client decides where
 metric values live when ``proxy.metrics`` is first imported, so the metrics folder must
@@ -14,7 +14,9 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from proxy import __version__
@@ -53,6 +55,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = commands.add_parser("stats", help="entries and bytes cached per repository")
     stats.add_argument("--config")
 
+    mirror = commands.add_parser(
+        "mirror",
+        help="warm the cache now: the purls given (and an SBOM's), or every [[mirrors]]",
+    )
+    mirror.add_argument("--config")
+    mirror.add_argument("purls", nargs="*", metavar="PURL", help="e.g. pkg:pypi/requests@2.32.3")
+    mirror.add_argument("--sbom", help="a CycloneDX or SPDX JSON file: every purl it lists")
+    mirror.add_argument(
+        "--versions",
+        choices=["latest", "all"],
+        default="latest",
+        help="for a purl without a version (default: latest)",
+    )
+    mirror.add_argument("--repository", help="mirror into this repository (default: by type)")
+
+    jobs = commands.add_parser(
+        "jobs", help="every job and schedule: interval, last run and outcome, next due"
+    )
+    jobs.add_argument("--config")
+
     args = parser.parse_args(argv)
     private_metrics_dir()
     from proxy.config import load
@@ -75,6 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         print(settings.describe(), end="")
         return 0
+    if args.command in ("mirror", "jobs"):
+        # Their output is the point; the log shows only what went wrong.
+        configure_logging("warning" if args.command == "mirror" else "error")
+        try:
+            if args.command == "mirror":
+                return asyncio.run(_mirror(settings, args))
+            return asyncio.run(_jobs(settings))
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
     configure_logging(getattr(args, "log_level", "info"))
     if args.command == "migrate":
         return asyncio.run(_migrate(settings))
@@ -178,3 +210,108 @@ async def _stats(settings: Settings) -> int:
     finally:
         await catalog.close()
     return 0
+
+
+async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
+    from proxy.clock import SYSTEM_CLOCK
+    from proxy.engine import open_engine
+    from proxy.exceptions import CatalogError
+    from proxy.progress import MirrorProgress
+    from proxy.purls import parse_purl
+
+    for purl in args.purls:
+        try:
+            parse_purl(purl)
+        except ValueError as exc:
+            print(f"PURL: {exc}", file=sys.stderr)
+            return 2
+    sbom = Path(args.sbom) if args.sbom else None
+    if sbom is not None and not sbom.is_file():
+        print(f"--sbom: {sbom} is not a file", file=sys.stderr)
+        return 2
+    if args.repository is not None and settings.repository(args.repository) is None:
+        print(f"--repository: no repository {args.repository!r} in the config", file=sys.stderr)
+        return 2
+    if args.purls or sbom is not None:
+        runs = [("cli", tuple(args.purls), sbom, args.versions, args.repository)]
+    else:
+        runs = [(m.name, m.packages, m.sbom, m.versions, m.repository) for m in settings.mirrors]
+        if not runs:
+            print("nothing to mirror: give purls or --sbom, or add [[mirrors]]", file=sys.stderr)
+            return 2
+    progress = MirrorProgress(sys.stdout, sys.stdout.isatty())
+    try:
+        async with open_engine(settings, SYSTEM_CLOCK) as engine:
+            # Fetch leases like any replica: a key a serving replica is fetching is shared.
+            engine.start_background(scheduler=False)
+            for name, purls, sbom_path, versions, repository in runs:
+                await engine.mirrors.run(name, purls, sbom_path, versions, repository, progress)
+    except CatalogError as exc:
+        print(f"database.url: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        progress.finish()
+    s = progress.summary
+    from proxy.units import human_size
+
+    print(
+        f"mirrored: {s.fetched} fetched ({human_size(s.bytes)}), {s.cached} already cached, "
+        f"{s.missing} missing upstream, {s.failed} failed, {s.skipped} skipped"
+    )
+    return 1 if s.failed or s.missing else 0
+
+
+async def _jobs(settings: Settings) -> int:
+    from proxy.clock import SYSTEM_CLOCK
+    from proxy.engine import open_engine
+    from proxy.exceptions import CatalogError
+    from proxy.units import format_duration
+
+    try:
+        async with open_engine(settings, SYSTEM_CLOCK) as engine:
+            scheduled = {job.name: job.interval_s for job in engine.jobs()}
+            runs, now_ms = await engine.catalog.job_runs()
+    except CatalogError as exc:
+        print(f"database.url: {exc}", file=sys.stderr)
+        return 1
+    by_name = {run.name: run for run in runs}
+    header = ("job", "interval", "last start", "last outcome", "next due", "holder")
+    rows = [header]
+    for name in [*scheduled, *sorted(set(by_name) - set(scheduled))]:
+        run = by_name.get(name)
+        interval_s = scheduled.get(name)
+        started = run.started_at_ms if run is not None else None
+        if interval_s is None:
+            due = "not scheduled"
+        elif started is None or started + interval_s * 1000 <= now_ms:
+            due = "now"
+        else:
+            due = "in " + _ago(int(started + interval_s * 1000 - now_ms))
+        rows.append(
+            (
+                name,
+                format_duration(interval_s) if interval_s is not None else "-",
+                f"{_when(started)} ({_ago(now_ms - started)} ago)" if started else "never",
+                (run.outcome or "-") if run is not None else "-",
+                due,
+                run.holder if run is not None else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    return 0
+
+
+def _when(at_ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(at_ms / 1000))
+
+
+def _ago(ms: int) -> str:
+    seconds = max(0, ms // 1000)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

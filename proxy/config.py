@@ -19,33 +19,57 @@ from urllib.parse import urlsplit
 
 from proxy import formats
 from proxy.exceptions import ConfigError
-from proxy.options import Duration, Flag, Integer, OptionType, Rate, Size, Text, options_of
+from proxy.options import (
+    Choice,
+    Duration,
+    Flag,
+    Integer,
+    OptionalSize,
+    OptionType,
+    Percent,
+    Rate,
+    Size,
+    Text,
+    options_of,
+)
+from proxy.purls import parse_purl
 from proxy.settings import (
     DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_EVICT_GRACE_S,
+    DEFAULT_EVICT_INTERVAL_S,
     DEFAULT_LEASE_POLL_INTERVAL_S,
     DEFAULT_LEASE_RETENTION_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_LISTEN,
+    DEFAULT_LOW_WATERMARK,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MIN_FREE,
     DEFAULT_MIN_RATE,
     DEFAULT_MIN_RATE_WINDOW_S,
+    DEFAULT_MIRROR_INTERVAL_S,
+    DEFAULT_MIRROR_VERSIONS,
     DEFAULT_READ_TIMEOUT_S,
     DEFAULT_RECLAIM_INTERVAL_S,
+    DEFAULT_RETENTION_INTERVAL_S,
     DEFAULT_RETRIES,
     DEFAULT_STORAGE_PATH,
     DEFAULT_SWEEP_INTERVAL_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
     DEFAULT_WORKERS,
+    MIRROR_VERSIONS,
     JobSettings,
     LeaseSettings,
+    MirrorSettings,
     RepositorySettings,
     Settings,
+    StorageSettings,
     UpstreamSettings,
     hide_password,
     upstream_env_var,
 )
 
+# Keys the engine adds to every repository whose format proxies an upstream.
+PROXY_REPOSITORY_KEYS: dict[str, OptionType[Any]] = {"retention": Duration(positive=True)}
 RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico"})
 _REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _ENV_REF_RE = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
@@ -112,13 +136,16 @@ class _Parser:
         return _ENV_REF_RE.sub(replace, value)
 
     def settings(self, raw: dict[str, Any], source: str) -> Settings | None:
-        known = {"server", "database", "storage", "upstream", "leases", "jobs", "repositories"}
+        known = {
+            "server", "database", "storage", "upstream", "leases", "jobs", "repositories",
+            "mirrors",
+        }  # fmt: skip
         for key in raw:
             if key not in known:
                 self.error(key, f"unknown section; expected one of {', '.join(sorted(known))}")
         server = self.table(raw, "server", {"listen", "workers"})
         database = self.table(raw, "database", {"url"})
-        storage = self.table(raw, "storage", {"path", "min_free"})
+        storage = self.table(raw, "storage", {"path", "min_free", "max_size", "low_watermark"})
         upstream = self.table(
             raw,
             "upstream",
@@ -133,7 +160,14 @@ class _Parser:
             },
         )
         leases = self.table(raw, "leases", {"ttl", "poll_interval", "retention", "notify"})
-        jobs = self.table(raw, "jobs", {"reclaim_interval", "sweep_interval"})
+        jobs = self.table(
+            raw,
+            "jobs",
+            {
+                "reclaim_interval", "sweep_interval", "evict_interval", "retention_interval",
+                "evict_grace",
+            },
+        )  # fmt: skip
 
         listen = self.environ.get("PROXY_LISTEN") or self.value(server, "server", "listen", Text())
         host, port = self.listen(listen or DEFAULT_LISTEN, "server.listen")
@@ -177,7 +211,6 @@ class _Parser:
             self.error(
                 "upstream.transfer_timeout", "must not be shorter than upstream.read_timeout"
             )
-        storage_min_free = self.value(storage, "storage", "min_free", Size(), DEFAULT_MIN_FREE)
         lease_settings = LeaseSettings(
             ttl_s=self.value(leases, "leases", "ttl", positive, DEFAULT_LEASE_TTL_S),
             poll_interval_s=self.value(
@@ -197,6 +230,22 @@ class _Parser:
             sweep_interval_s=self.value(
                 jobs, "jobs", "sweep_interval", positive, DEFAULT_SWEEP_INTERVAL_S
             ),
+            evict_interval_s=self.value(
+                jobs, "jobs", "evict_interval", positive, DEFAULT_EVICT_INTERVAL_S
+            ),
+            retention_interval_s=self.value(
+                jobs, "jobs", "retention_interval", positive, DEFAULT_RETENTION_INTERVAL_S
+            ),
+            evict_grace_s=self.value(
+                jobs, "jobs", "evict_grace", Duration(), DEFAULT_EVICT_GRACE_S
+            ),
+        )
+        storage_settings = StorageSettings(
+            max_size=self.value(storage, "storage", "max_size", OptionalSize()),
+            low_watermark=self.value(
+                storage, "storage", "low_watermark", Percent(), DEFAULT_LOW_WATERMARK
+            ),
+            min_free=self.value(storage, "storage", "min_free", Size(), DEFAULT_MIN_FREE),
         )
 
         raw_repos = raw.get("repositories")
@@ -224,6 +273,7 @@ class _Parser:
                 )
             env_vars.setdefault(env_var, repo.name)
             repositories.append(repo)
+        mirrors = self.mirrors(raw.get("mirrors", []), repositories, source)
 
         if self.errors:
             return None
@@ -238,7 +288,8 @@ class _Parser:
             jobs=job_settings,
             repositories=tuple(repositories),
             source=source,
-            storage_min_free=storage_min_free,
+            storage=storage_settings,
+            mirrors=mirrors,
         )
 
     # -- repositories -------------------------------------------------------------
@@ -271,6 +322,9 @@ class _Parser:
         plugin = formats.plugin(fmt)
         declared = list(options_of(plugin.options))
         allowed = {option.key for _, option, _ in declared} | {"name", "format"}
+        is_proxy = any(option.key == "upstream" for _, option, _ in declared)
+        if is_proxy:
+            allowed |= set(PROXY_REPOSITORY_KEYS)
         for key in raw:
             if key not in allowed:
                 self.error(
@@ -298,10 +352,130 @@ class _Parser:
             values[field_name] = default if parsed is None else parsed
         if len(self.errors) > errors_before:
             return None
+        retention_s = (
+            self.value(raw, where, "retention", PROXY_REPOSITORY_KEYS["retention"])
+            if is_proxy
+            else None
+        )
+        if len(self.errors) > errors_before:
+            return None
         options = plugin.options(**values)
         for key, message in (plugin.validate or _no_checks)(options):
             self.error(f"{where}.{key}", message)
-        return RepositorySettings(name=name, format=fmt, options=options)
+        return RepositorySettings(name=name, format=fmt, options=options, retention_s=retention_s)
+
+    # -- mirrors ------------------------------------------------------------------------
+
+    def mirrors(
+        self, raw: object, repositories: list[RepositorySettings[Any]], source: str
+    ) -> tuple[MirrorSettings, ...]:
+        if not isinstance(raw, list):
+            self.error("mirrors", "must be an array of tables ([[mirrors]])")
+            return ()
+        found: list[MirrorSettings] = []
+        for index, raw_mirror in enumerate(raw):
+            mirror = self.mirror(raw_mirror, index, repositories, source)
+            if mirror is None:
+                continue
+            if any(m.name == mirror.name for m in found):
+                self.error(f"mirrors.{mirror.name}.name", "is used by two mirrors")
+            found.append(mirror)
+        return tuple(found)
+
+    def mirror(
+        self,
+        raw: object,
+        index: int,
+        repositories: list[RepositorySettings[Any]],
+        source: str,
+    ) -> MirrorSettings | None:
+        where = f"mirrors[{index}]"
+        if not isinstance(raw, dict):
+            self.error(where, "must be a table")
+            return None
+        name = self.value(raw, where, "name", Text())
+        if name is None:
+            if "name" not in raw:
+                self.error(f"{where}.name", "is required")
+            return None
+        if not _REPO_NAME_RE.match(name):
+            self.error(
+                f"{where}.name",
+                f"{name!r} is not a valid mirror name; use lower-case letters, digits, "
+                "'.', '_' or '-'",
+            )
+            return None
+        where = f"mirrors.{name}"
+        allowed = {"name", "interval", "packages", "sbom", "versions", "repository"}
+        for key in raw:
+            if key not in allowed:
+                self.error(
+                    f"{where}.{key}", f"unknown key; expected one of {', '.join(sorted(allowed))}"
+                )
+        errors_before = len(self.errors)
+        interval_s = self.value(
+            raw, where, "interval", Duration(positive=True), DEFAULT_MIRROR_INTERVAL_S
+        )
+        versions = self.value(
+            raw, where, "versions", Choice(*MIRROR_VERSIONS), DEFAULT_MIRROR_VERSIONS
+        )
+        sbom_text = self.value(raw, where, "sbom", Text())
+        sbom = None
+        if sbom_text:
+            sbom = Path(sbom_text)
+            if not sbom.is_absolute() and source != "embedded defaults":
+                sbom = Path(source).resolve().parent / sbom  # beside the config file
+        repository = self.value(raw, where, "repository", Text())
+        mirrorable = {
+            repo.name: formats.plugin(repo.format).purl_types
+            for repo in repositories
+            if formats.plugin(repo.format).purl_types
+        }
+        if repository is not None and repository not in mirrorable:
+            choices = ", ".join(mirrorable) or "none is configured"
+            self.error(
+                f"{where}.repository",
+                f"{repository!r} is not a repository that can mirror packages ({choices})",
+            )
+        packages = self.packages(raw.get("packages", []), f"{where}.packages")
+        for i, purl in enumerate(packages):
+            purl_type = parse_purl(purl).type
+            serving = [r for r, types in mirrorable.items() if purl_type in types]
+            if repository is not None and repository in mirrorable:
+                serving = [repository] if purl_type in mirrorable[repository] else []
+            if not serving:
+                self.error(
+                    f"{where}.packages[{i}]",
+                    f"{purl!r}: no repository here mirrors purl type {purl_type!r}"
+                    + (f" (repository {repository!r} does not)" if repository else ""),
+                )
+        if not packages and sbom is None and "packages" not in raw:
+            self.error(where, "needs packages (a list of purls) or sbom (a file)")
+        if len(self.errors) > errors_before:
+            return None
+        return MirrorSettings(
+            name=name,
+            interval_s=interval_s,
+            packages=packages,
+            sbom=sbom,
+            versions=versions,
+            repository=repository,
+        )
+
+    def packages(self, raw: object, key: str) -> tuple[str, ...]:
+        if not isinstance(raw, list):
+            self.error(key, 'must be a list of package URLs, e.g. ["pkg:pypi/requests@2.32.3"]')
+            return ()
+        purls = []
+        for i, item in enumerate(raw):
+            if not isinstance(item, str):
+                self.error(f"{key}[{i}]", f"{item!r} is not a package URL")
+                continue
+            try:
+                purls.append(parse_purl(self.expand(item, f"{key}[{i}]")).purl)
+            except ValueError as exc:
+                self.error(f"{key}[{i}]", str(exc))
+        return tuple(purls)
 
     # -- helpers ----------------------------------------------------------------------
 

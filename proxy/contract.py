@@ -59,6 +59,7 @@ from proxy.types import (
     Kind,
     Link,
     LinkBatch,
+    PackageRef,
     Receive,
     Scope,
     Send,
@@ -87,12 +88,15 @@ __all__ = [
     "Link",
     "LinkBatch",
     "LinkStore",
+    "MirrorAdapter",
+    "MirrorVersions",
     "NotConfigured",
     "NotFound",
     "OptionType",
     "OptionalSize",
     "Origin",
     "OriginContext",
+    "PackageRef",
     "PayloadTooLarge",
     "Reporter",
     "RepositoryCache",
@@ -125,6 +129,9 @@ BODY_IDLE_TIMEOUT_S = 30.0
 
 Response = Callable[[Scope, Receive, Send], Awaitable[None]]
 """What an adapter answers with: an ASGI callable (build one with the helpers below)."""
+
+MirrorVersions = Literal["latest", "all"]
+"""Which versions a mirror warms for a package named without a version."""
 
 
 # -- requests ---------------------------------------------------------------------------
@@ -362,6 +369,14 @@ class RepositoryCache(Protocol):
         """Make sure ``spec.key`` is cached and fresh, sharing any fetch in progress."""
         ...
 
+    async def read(self, spec: FetchSpec, limit: int) -> bytes:
+        """The body of ``spec.key`` (warmed first, like ``warm``), for a small document a
+        format must look into (an index page, maven-metadata.xml).
+
+        ``NotFound`` for a confirmed miss; ``UpstreamError`` past ``limit`` bytes.
+        """
+        ...
+
     async def store_upload(
         self, key: str, body: AsyncIterator[bytes], max_size: int, content_type: str | None
     ) -> None:
@@ -384,13 +399,31 @@ class Adapter(Protocol):
     async def handle(self, request: Request) -> Response: ...
 
 
+class MirrorAdapter(Adapter, Protocol):
+    """An adapter of a format that declares ``purl_types``: it can list what to warm."""
+
+    async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
+        """The keys that make up ``package``: for a versioned package, that version's
+        files; otherwise the latest or every version's. The engine warms each one.
+
+        May read small documents through the cache (``RepositoryCache.read``) to find
+        them. ``NotFound`` if the package or version does not exist upstream,
+        ``BadRequest`` if the purl cannot name anything in this format.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class FormatContext:
-    """What the engine hands a format when it builds one repository's adapter."""
+    """What the engine hands a format when it builds one repository's adapter.
+
+    ``compute(fn, *args)`` runs CPU-heavy work off the event loop (as in OriginContext).
+    """
 
     cache: RepositoryCache
     upstream: UpstreamClient
     links: LinkStore
+    compute: Callable[..., Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -408,3 +441,6 @@ class FormatPlugin(Generic[OptionsT]):
     warnings: Callable[[RepositorySettings[OptionsT], str], Iterable[str]] | None = None
     # A total the engine keeps this repository under (least recently used go first).
     max_size: Callable[[OptionsT], int | None] | None = None
+    # purl types (``pkg:<type>/...``) this format can mirror; its adapter is then a
+    # ``MirrorAdapter``.
+    purl_types: tuple[str, ...] = ()

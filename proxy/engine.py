@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 from proxy import formats, metrics
 from proxy.blobs import BlobStore
@@ -22,11 +24,13 @@ from proxy.blocking import CpuPool, install_io_executor, run_blocking
 from proxy.cache import Cache
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import Clock
-from proxy.contract import Adapter, FormatContext
+from proxy.contract import Adapter, FormatContext, MirrorAdapter, RepositoryCache
 from proxy.entry_index import AccessLog, EntryIndex
+from proxy.exceptions import CatalogError
 from proxy.fetch import Fetcher
-from proxy.jobs import Scheduler, standard_jobs
+from proxy.jobs import Job, Scheduler, standard_jobs
 from proxy.leases import LeaseCoordinator, make_holder_id
+from proxy.mirrors import Mirrors
 from proxy.responses import HotBlobs
 from proxy.settings import Settings
 from proxy.tasks import TaskSupervisor, watch_loop_lag
@@ -52,21 +56,32 @@ class Engine:
     size_limits: dict[str, int]  # repositories whose format keeps them under a size
     # Proxying repositories without an upstream -> the 503 message naming the setting.
     not_configured: dict[str, str]
+    mirrors: Mirrors
     _stopping: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def start_background(self, scheduler: bool = True) -> None:
-        """Access-time flushes, lease notifications and (if asked) the job scheduler."""
+        """Access-time flushes, lease notifications and (if asked) the job scheduler
+        and the storage gauges."""
         self.tasks.spawn("access-flush", _flush_access_forever(self.cache))
         self.tasks.spawn("loop-lag", watch_loop_lag())
         if self.settings.leases.notify:
             self.tasks.spawn("lease-listener", self.catalog.listen_leases(self.leases.notify))
         if scheduler:
-            jobs = Scheduler(self.catalog, self.holder, self.tasks)
-            for job in standard_jobs(
-                self.settings, self.catalog, self.blobs, self.cache, self.clock, self.size_limits
-            ):
+            jobs = Scheduler(self.catalog, self.holder, self.tasks, self.clock)
+            for job in self.jobs():
                 jobs.add(job)
             jobs.start()
+            period_s = self.settings.jobs.evict_interval_s
+            self.tasks.spawn("storage-gauges", _measure_storage_forever(self.cache, period_s))
+
+    def jobs(self) -> list[Job]:
+        """Every job and schedule this configuration runs (docs/architecture.md, "Jobs")."""
+        jobs = standard_jobs(
+            self.settings, self.catalog, self.blobs, self.cache, self.clock, self.size_limits
+        )
+        for mirror in self.settings.mirrors:
+            jobs.append(Job(mirror.job_name, mirror.interval_s, self.mirrors.job(mirror)))
+        return jobs
 
     def stop(self) -> asyncio.Future[None]:
         """Cancel every fetch and job, then hand back every lease (idempotent)."""
@@ -103,12 +118,21 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
             adapters: dict[str, Adapter] = {}
             size_limits: dict[str, int] = {}
             not_configured: dict[str, str] = {}
+            mirrorable: dict[str, MirrorAdapter] = {}
+            purl_types: dict[str, tuple[str, ...]] = {}
+            views: dict[str, RepositoryCache] = {}
             for repo in settings.repositories:
                 plugin = formats.plugin(repo.format)
                 upstream = pool.for_repository(repo.name, repo.upstreams, repo.allow_hosts)
                 view = cache.for_repository(repo.name, repo.format, upstream, cpu)
-                context = FormatContext(cache=view, upstream=upstream, links=view.links)
+                views[repo.name] = view
+                context = FormatContext(
+                    cache=view, upstream=upstream, links=view.links, compute=cpu.run
+                )
                 adapters[repo.name] = plugin.build(repo, context)
+                if plugin.purl_types and hasattr(adapters[repo.name], "mirror"):
+                    mirrorable[repo.name] = cast(MirrorAdapter, adapters[repo.name])
+                    purl_types[repo.name] = plugin.purl_types
                 limit = plugin.max_size(repo.options) if plugin.max_size else None
                 if limit is not None:
                     size_limits[repo.name] = limit
@@ -124,6 +148,9 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
                         repo.name,
                         repo.upstream_setting,
                     )
+            if settings.storage.max_size is not None:
+                metrics.STORAGE_MAX_BYTES.set(settings.storage.max_size)
+            mirrors = Mirrors(mirrorable, purl_types, views)
             engine = Engine(
                 settings,
                 clock,
@@ -136,6 +163,7 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
                 holder,
                 size_limits,
                 not_configured,
+                mirrors,
             )
             try:
                 yield engine
@@ -156,3 +184,14 @@ async def _flush_access_forever(cache: Cache) -> None:
     while True:
         await asyncio.sleep(ACCESS_FLUSH_INTERVAL_S)
         await cache.flush_access()
+
+
+async def _measure_storage_forever(cache: Cache, period_s: float) -> None:
+    """Every replica refreshes its own storage gauges (one aggregate query per period),
+    so no replica exports the total of a pass that ran elsewhere long ago."""
+    while True:
+        try:
+            await cache.storage_usage()
+        except CatalogError as exc:
+            log.warning("could not measure storage: %s", exc)
+        await asyncio.sleep(period_s * random.uniform(0.8, 1.0))

@@ -152,6 +152,12 @@ EVENT_LOOP_LAG = Histogram(
     "How late the event loop ran a periodic probe (time it was busy with something else)",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+JOB_LAST_SUCCESS = Gauge(
+    "proxy_job_last_success_timestamp_seconds",
+    "When a pass of the job last ended successfully in this process (Unix time)",
+    ["job"],
+    multiprocess_mode="max",
+)
 CATALOG_ERRORS = Counter(
     "proxy_catalog_errors_total",
     "Database operations that failed",
@@ -167,6 +173,37 @@ REPOSITORY_SIZE = Gauge(
     "Bytes of entries in a repository, as last measured by a sweep",
     ["repository"],
     multiprocess_mode="mostrecent",
+)
+EVICTED_ENTRIES = Counter(
+    "proxy_evicted_entries_total",
+    "Proxied entries removed, by reason (size: over storage.max_size; retention: unused)",
+    ["reason"],
+)
+EVICTED_BYTES = Counter(
+    "proxy_evicted_bytes_total",
+    "Bytes of the proxied entries removed, by reason (size, retention)",
+    ["reason"],
+)
+BLOBS_DELETED = Counter(
+    "proxy_tombstoned_blobs_deleted_total",
+    "Blob files deleted after their grace period (jobs.evict_grace)",
+)
+STORAGE_BYTES = Gauge(
+    "proxy_storage_bytes",
+    "Bytes of entries by kind (proxied, hosted) and of blobs waiting out their grace "
+    "(tombstoned), as last measured",
+    ["kind"],
+    multiprocess_mode="mostrecent",
+)
+STORAGE_MAX_BYTES = Gauge(
+    "proxy_storage_max_bytes",
+    "storage.max_size: the bound of the proxied entries (absent when unset)",
+    multiprocess_mode="mostrecent",
+)
+MIRROR_ITEMS = Counter(
+    "proxy_mirror_items_total",
+    "Items of mirror runs, by outcome (fetched, cached, missing, failed, skipped)",
+    ["mirror", "outcome"],
 )
 UPLOADS = Counter(
     "proxy_uploads_total",

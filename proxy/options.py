@@ -148,6 +148,22 @@ class OptionalSize(Size):
         return '""' if value is None else super().render(value)
 
 
+class Percent:
+    """``"90%"`` -> 0.9; more than 0%, at most 100%."""
+
+    _RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+    def parse(self, value: object, key: str, report: Reporter) -> float | None:
+        match = self._RE.match(value) if isinstance(value, str) else None
+        if match is None or not 0 < float(match.group(1)) <= 100:
+            report.error(key, f'{value!r} is not a share; use a percentage, e.g. "90%"')
+            return None
+        return float(match.group(1)) / 100
+
+    def render(self, value: float) -> str:
+        return f'"{round(value * 100, 2):g}%"'
+
+
 class Text:
     def parse(self, value: object, key: str, report: Reporter) -> str | None:
         if not isinstance(value, str):

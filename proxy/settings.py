@@ -9,7 +9,7 @@ by the format module itself (docs/architecture.md, "Adding a format").
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
@@ -33,6 +33,13 @@ DEFAULT_LEASE_POLL_INTERVAL_S = 0.25
 DEFAULT_LEASE_RETENTION_S = 24 * 3600.0
 DEFAULT_RECLAIM_INTERVAL_S = 3600.0
 DEFAULT_SWEEP_INTERVAL_S = 300.0
+DEFAULT_LOW_WATERMARK = 0.9
+DEFAULT_EVICT_INTERVAL_S = 300.0
+DEFAULT_RETENTION_INTERVAL_S = 3600.0
+DEFAULT_EVICT_GRACE_S = 3600.0
+DEFAULT_MIRROR_INTERVAL_S = 24 * 3600.0
+DEFAULT_MIRROR_VERSIONS = "latest"
+MIRROR_VERSIONS = ("latest", "all")
 
 OptionsT = TypeVar("OptionsT")
 
@@ -42,6 +49,9 @@ class RepositorySettings(Generic[OptionsT]):
     name: str
     format: str
     options: OptionsT  # the format's own settings dataclass
+    # Engine keys of a proxying repository (the config layer adds them to every format
+    # with an upstream): entries not accessed for this long are removed (None: kept).
+    retention_s: float | None = None
 
     @property
     def upstreams(self) -> tuple[str, ...]:
@@ -88,9 +98,39 @@ class LeaseSettings:
 
 
 @dataclass(frozen=True)
+class StorageSettings:
+    """Bounds of the proxied entries (docs/architecture.md, "Eviction and retention")."""
+
+    max_size: int | None = None  # all proxied repositories together; None: no limit
+    low_watermark: float = DEFAULT_LOW_WATERMARK  # a pass stops at or under this share
+    min_free: int = DEFAULT_MIN_FREE  # /readyz says not ready below this much free space
+
+
+@dataclass(frozen=True)
 class JobSettings:
     reclaim_interval_s: float = DEFAULT_RECLAIM_INTERVAL_S
     sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S
+    evict_interval_s: float = DEFAULT_EVICT_INTERVAL_S
+    retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S
+    # An evicted blob is deleted only this long after its last entry went, so a client
+    # still reading it (on any replica of a shared volume) finishes first.
+    evict_grace_s: float = DEFAULT_EVICT_GRACE_S
+
+
+@dataclass(frozen=True)
+class MirrorSettings:
+    """A schedule that warms the cache with packages named by purls (and an SBOM)."""
+
+    name: str
+    interval_s: float = DEFAULT_MIRROR_INTERVAL_S
+    packages: tuple[str, ...] = ()  # purls, validated
+    sbom: Path | None = None  # CycloneDX or SPDX JSON, read at every run
+    versions: str = DEFAULT_MIRROR_VERSIONS  # for a purl without a version: latest | all
+    repository: str | None = None  # None: the first repository serving the purl's type
+
+    @property
+    def job_name(self) -> str:
+        return f"mirror:{self.name}"
 
 
 @dataclass(frozen=True)
@@ -105,7 +145,8 @@ class Settings:
     jobs: JobSettings
     repositories: tuple[RepositorySettings[Any], ...]
     source: str = "embedded defaults"
-    storage_min_free: int = DEFAULT_MIN_FREE
+    storage: StorageSettings = field(default_factory=StorageSettings)
+    mirrors: tuple[MirrorSettings, ...] = ()
 
     def repository(self, name: str) -> RepositorySettings[Any] | None:
         for repo in self.repositories:
@@ -124,7 +165,13 @@ class Settings:
             f"url = {toml_string(hide_password(self.database_url))}",
             "[storage]",
             f"path = {toml_string(str(self.storage_path))}",
-            f'min_free = "{format_size(self.storage_min_free)}"',
+            f'min_free = "{format_size(self.storage.min_free)}"',
+            (
+                f'max_size = "{format_size(self.storage.max_size)}"'
+                if self.storage.max_size is not None
+                else "# max_size is not set: proxied entries are never evicted by size"
+            ),
+            f'low_watermark = "{format_percent(self.storage.low_watermark)}"',
             "[upstream]",
             f'connect_timeout = "{format_duration(self.upstream.connect_timeout_s)}"',
             f'read_timeout = "{format_duration(self.upstream.read_timeout_s)}"',
@@ -141,6 +188,9 @@ class Settings:
             "[jobs]",
             f'reclaim_interval = "{format_duration(self.jobs.reclaim_interval_s)}"',
             f'sweep_interval = "{format_duration(self.jobs.sweep_interval_s)}"',
+            f'evict_interval = "{format_duration(self.jobs.evict_interval_s)}"',
+            f'retention_interval = "{format_duration(self.jobs.retention_interval_s)}"',
+            f'evict_grace = "{format_duration(self.jobs.evict_grace_s)}"',
         ]
         for repo in self.repositories:
             lines += ["", "[[repositories]]", f'name = "{repo.name}"', f'format = "{repo.format}"']
@@ -151,6 +201,21 @@ class Settings:
                 elif value is not None:
                     for line in _render(declared.key, declared.kind.render(value)):
                         lines.append(line)
+            if repo.retention_s is not None:
+                lines.append(f'retention = "{format_duration(repo.retention_s)}"')
+        for mirror in self.mirrors:
+            lines += [
+                "",
+                "[[mirrors]]",
+                f"name = {_quote(mirror.name)}",
+                f'interval = "{format_duration(mirror.interval_s)}"',
+                "packages = [" + ", ".join(_quote(p) for p in mirror.packages) + "]",
+            ]
+            if mirror.sbom is not None:
+                lines.append(f"sbom = {_quote(str(mirror.sbom))}")
+            lines.append(f"versions = {_quote(mirror.versions)}")
+            if mirror.repository is not None:
+                lines.append(f"repository = {_quote(mirror.repository)}")
         return "\n".join(lines) + "\n"
 
 
@@ -159,6 +224,14 @@ def _render(key: str, rendered: str) -> list[str]:
     if not rendered or rendered.startswith(f"{key}."):
         return rendered.splitlines()
     return [f"{key} = {rendered}"]
+
+
+def format_percent(share: float) -> str:
+    return f"{round(share * 100, 2):g}%"
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def upstream_env_var(repo_name: str) -> str:

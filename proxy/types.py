@@ -74,6 +74,28 @@ class LinkBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class PackageRef:
+    """A package named by a purl (``pkg:type/namespace/name@version?qualifiers``).
+
+    The engine parses purls (``proxy/purls.py``) and hands formats this value, so a
+    format never parses one itself. ``version`` None means "latest or all versions".
+    """
+
+    type: str
+    name: str
+    namespace: str | None = None
+    version: str | None = None
+    qualifiers: tuple[tuple[str, str], ...] = ()
+    purl: str = ""  # the canonical purl, for messages
+
+    def qualifier(self, name: str) -> str | None:
+        return next((value for key, value in self.qualifiers if key == name), None)
+
+    def __str__(self) -> str:
+        return self.purl or f"pkg:{self.type}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
 class Validators:
     """What a stale copy tells the upstream in a conditional GET."""
 

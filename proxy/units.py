@@ -86,13 +86,13 @@ def format_size(n_bytes: int) -> str:
     return f"{n_bytes}B"
 
 
-def approximate_size(n_bytes: int) -> str:
-    """``"117.7MiB"``: a readable size for messages, where exactness does not matter."""
-    value = float(n_bytes)
+def human_size(n_bytes: int) -> str:
+    """A rounded size for summaries and logs: ``"1.5 GiB"``, ``"812 KiB"``, ``"0 B"``."""
+    size = float(n_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
     raise AssertionError("unreachable")
 
 

@@ -80,7 +80,7 @@ async def test_a_cancelled_pass_ends_even_if_giving_its_claim_back_fails(tmp_pat
     catalog = FlakyCatalog(tmp_path / "c.db")
     await catalog.migrate()
     tasks = TaskSupervisor()
-    scheduler = Scheduler(catalog, "me", tasks)
+    scheduler = Scheduler(catalog, "me", tasks, SYSTEM_CLOCK)
     started = asyncio.Event()
 
     async def long_pass() -> str:

@@ -175,6 +175,11 @@ def test_sweep_keeps_the_repository_under_max_size_by_last_access(
     )
     proxy = start_proxy(load(write_config(tmp_path, config), {"CI_PASSWORD": CI[1]}))
     keys = [f"entry{i}" for i in range(4)]
+    evicted_before = metric_value(
+        httpx.get(proxy.url + "/metrics").text,
+        "proxy_entries_evicted_total",
+        repository="gradle-cache",
+    )  # one registry per test process: count the delta
     for key in keys[:3]:  # 2.7MB: within the limit, nothing to evict yet
         assert httpx.put(url(proxy, key), content=os.urandom(900_000), auth=CI).status_code == 201
         time.sleep(0.02)
@@ -184,13 +189,24 @@ def test_sweep_keeps_the_repository_under_max_size_by_last_access(
         time.sleep(0.02)
     assert httpx.put(url(proxy, keys[3]), content=os.urandom(900_000), auth=CI).status_code == 201
     deadline = time.monotonic() + 20
-    while not metric_value(httpx.get(proxy.url + "/metrics").text, "proxy_entries_evicted_total"):
+    while (
+        metric_value(
+            httpx.get(proxy.url + "/metrics").text,
+            "proxy_entries_evicted_total",
+            repository="gradle-cache",
+        )
+        == evicted_before
+    ):
         assert time.monotonic() < deadline, "the sweep never evicted"
         time.sleep(0.2)
     present = {key for key in keys if httpx.head(url(proxy, key)).status_code == 200}
     assert present == {"entry0", "entry1", "entry3"}  # 2.7MB <= 0.9 * 3MB
-    metrics = httpx.get(proxy.url + "/metrics").text
-    assert 'proxy_entries_evicted_total{repository="gradle-cache"} 1.0' in metrics
+    evicted = metric_value(
+        httpx.get(proxy.url + "/metrics").text,
+        "proxy_entries_evicted_total",
+        repository="gradle-cache",
+    )
+    assert evicted - evicted_before == 1
 
 
 def test_non_ascii_credentials_are_401_not_500(cache_proxy: ServerThread) -> None:

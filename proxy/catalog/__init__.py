@@ -85,6 +85,38 @@ class Usage:
     bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class StorageUsage:
+    """Totals over every repository (docs/architecture.md, "Eviction and retention")."""
+
+    proxied_entries: int
+    proxied_bytes: int  # sizes of immutable and metadata entries
+    hosted_bytes: int  # sizes of hosted entries (build caches)
+    tombstoned_bytes: int  # blobs waiting out the grace period before deletion
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """An entry an eviction or retention pass deleted."""
+
+    repository: str
+    key: str
+    sha256: str | None
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobRun:
+    """A job's last run as ``job_runs`` records it; times are the database's Unix ms."""
+
+    name: str
+    run_id: int
+    started_at_ms: int | None  # None: never started (or its only run was given back)
+    finished_at_ms: int | None
+    outcome: str | None  # running, ok, failed, cancelled
+    holder: str
+
+
 class Catalog(Protocol):
     """Storage-independent operations on entries, links, fetch leases and job locks.
 
@@ -124,7 +156,32 @@ class Catalog(Protocol):
 
     async def least_recently_used(self, repository: str, limit: int) -> list[Entry]: ...
 
-    async def blob_is_referenced(self, sha256: str) -> bool: ...
+    async def blob_is_referenced(self, sha256: str) -> bool:
+        """Does an entry refer to the blob, or does it wait out its grace as a tombstone?"""
+        ...
+
+    async def storage_usage(self) -> StorageUsage:
+        """One aggregate over every repository."""
+        ...
+
+    async def evict_lru(self, free_bytes: int, limit: int) -> list[Removed]:
+        """Delete least recently accessed proxied entries, in order, until ``free_bytes``
+        are freed or ``limit`` entries are gone (one short transaction)."""
+        ...
+
+    async def expire_unused(self, repository: str, before_ms: int, limit: int) -> list[Removed]:
+        """Delete up to ``limit`` proxied entries of ``repository`` last accessed before
+        ``before_ms`` (one short transaction)."""
+        ...
+
+    async def drop_referenced_tombstones(self) -> int:
+        """Forget tombstones whose blob an entry refers to again; how many."""
+        ...
+
+    async def take_due_tombstones(self, grace_s: float, limit: int) -> list[tuple[str, int]]:
+        """Remove and return ``(sha256, size)`` of tombstones older than ``grace_s`` whose
+        blob no entry refers to: the caller deletes those files."""
+        ...
 
     async def delete_expired_negatives(self, older_than_ms: int) -> int: ...
 
@@ -176,6 +233,14 @@ class Catalog(Protocol):
 
     async def give_back_job_run(self, name: str, run_id: int) -> None:
         """Undo a claim whose run was cut off, so the schedule is not skipped."""
+        ...
+
+    async def finish_job_run(self, name: str, run_id: int, outcome: str) -> None:
+        """Record how run ``run_id`` ended (``ok`` or ``failed``) and when."""
+        ...
+
+    async def job_runs(self) -> tuple[list[JobRun], int]:
+        """Every job's last run, and the database's clock now (Unix ms)."""
         ...
 
     # -- notifications ------------------------------------------------------------------

@@ -14,7 +14,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from proxy.blocking import run_blocking
-from proxy.catalog import Entry, LeaseGrant, LeaseRow, Usage, entry_from_row, entry_to_row
+from proxy.catalog import (
+    Entry,
+    JobRun,
+    LeaseGrant,
+    LeaseRow,
+    Removed,
+    StorageUsage,
+    Usage,
+    entry_from_row,
+    entry_to_row,
+)
 from proxy.catalog.queries import Queries
 from proxy.clock import Clock
 from proxy.types import Link, LinkBatch
@@ -45,6 +55,10 @@ class SqlCatalog:
 
     async def _write_returning(self, name: str, *args: Any, prelude: tuple[str, ...] = ()) -> Any:
         """Run ``prelude`` then a write with RETURNING, in one transaction; its row or None."""
+        raise NotImplementedError
+
+    async def _write_fetch(self, name: str, *args: Any) -> list[Any]:
+        """Run a write with RETURNING in its own transaction; all its rows."""
         raise NotImplementedError
 
     # -- plumbing -------------------------------------------------------------------------
@@ -98,6 +112,27 @@ class SqlCatalog:
     async def delete_expired_negatives(self, older_than_ms: int) -> int:
         return await self._execute("delete_expired_negatives", older_than_ms)
 
+    # -- eviction and retention (docs/architecture.md, "Eviction and retention") -----------
+
+    async def storage_usage(self) -> StorageUsage:
+        row = await self._fetchrow("storage_usage")
+        return StorageUsage(int(row[0]), int(row[1]), int(row[2]), int(row[3]))
+
+    async def evict_lru(self, free_bytes: int, limit: int) -> list[Removed]:
+        rows = await self._write_fetch("evict_lru", int(free_bytes), int(limit))
+        return [Removed(r[0], r[1], r[2], int(r[3])) for r in rows]
+
+    async def expire_unused(self, repository: str, before_ms: int, limit: int) -> list[Removed]:
+        rows = await self._write_fetch("expire_unused", repository, int(before_ms), int(limit))
+        return [Removed(r[0], r[1], r[2], int(r[3])) for r in rows]
+
+    async def drop_referenced_tombstones(self) -> int:
+        return await self._execute("drop_referenced_tombstones")
+
+    async def take_due_tombstones(self, grace_s: float, limit: int) -> list[tuple[str, int]]:
+        rows = await self._write_fetch("take_due_tombstones", float(grace_s), int(limit))
+        return [(r[0], int(r[1])) for r in rows]
+
     # -- links ------------------------------------------------------------------------------
 
     async def put_links(self, links: Sequence[Link] | LinkBatch) -> None:
@@ -150,3 +185,24 @@ class SqlCatalog:
 
     async def give_back_job_run(self, name: str, run_id: int) -> None:
         await self._execute("give_back_job_run", name, run_id)
+
+    async def finish_job_run(self, name: str, run_id: int, outcome: str) -> None:
+        await self._execute("finish_job_run", name, run_id, outcome)
+
+    async def job_runs(self) -> tuple[list[JobRun], int]:
+        rows = await self._fetch("select_job_runs")
+        if not rows:
+            now = await self._fetchrow("select_clock")
+            return [], int(now[0])
+        runs = [
+            JobRun(
+                name=r[0],
+                run_id=int(r[1]),
+                started_at_ms=None if r[2] is None else int(r[2]),
+                finished_at_ms=None if r[3] is None else int(r[3]),
+                outcome=r[4],
+                holder=r[5],
+            )
+            for r in rows
+        ]
+        return runs, int(rows[0][6])

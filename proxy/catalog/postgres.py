@@ -124,6 +124,9 @@ class PostgresCatalog(SqlCatalog):
         assert not prelude, "Postgres statements need no prelude"
         return await self._call("fetchrow", name, *args)
 
+    async def _write_fetch(self, name: str, *args: Any) -> list[Any]:
+        return list(await self._call("fetch", name, *args))
+
     async def migrate(self) -> list[str]:
         files = migration_files(self.migrations)
         q = self.queries

@@ -107,6 +107,10 @@ class SqliteCatalog(SqlCatalog):
 
         return await self._run(_in_transaction(write))
 
+    async def _write_fetch(self, name: str, *args: Any) -> list[Any]:
+        sql = self.queries[name]
+        return await self._run(_in_transaction(lambda conn: conn.execute(sql, args).fetchall()))
+
     async def migrate(self) -> list[str]:
         files = migration_files(self.migrations)
         q = self.queries
@@ -217,6 +221,16 @@ def _unlock(fd: int) -> None:
 
 
 def _split_sql(sql: str) -> list[str]:
-    """Statements of a migration file (no semicolons inside our statements' literals)."""
+    """Statements of a migration file; a trigger's body (with its own semicolons) stays
+    whole, because a statement ends only where SQLite says it is complete."""
     lines = [line for line in sql.splitlines() if not line.strip().startswith("--")]
-    return [stmt.strip() for stmt in "\n".join(lines).split(";") if stmt.strip()]
+    statements: list[str] = []
+    current = ""
+    for line in lines:
+        current += line + "\n"
+        if sqlite3.complete_statement(current):
+            statements.append(current.strip().rstrip(";"))
+            current = ""
+    if current.strip():
+        statements.append(current.strip())
+    return [stmt for stmt in statements if stmt]

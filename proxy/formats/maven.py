@@ -18,6 +18,10 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from xml.etree.ElementTree import Element
+
+from defusedxml import ElementTree as SafeXml
+from defusedxml.common import DefusedXmlException
 
 from proxy.contract import (
     BadRequest,
@@ -30,8 +34,11 @@ from proxy.contract import (
     FormatPlugin,
     Hosts,
     Kind,
+    MirrorVersions,
+    NotConfigured,
     NotFound,
     OriginContext,
+    PackageRef,
     RepositorySettings,
     Request,
     Response,
@@ -58,6 +65,17 @@ CHECKSUM_BODY_LIMIT_BYTES = 4096
 ALL_DIGESTS = ("md5", "sha1", "sha256", "sha512")
 NOT_FOUND_STATUSES = (404, 410)
 PREFIXES_FILE = ".meta/prefixes.txt"
+METADATA_BODY_LIMIT_BYTES = 16 * 1024 * 1024
+# Maven's `type` (a purl qualifier) -> (file extension, classifier it implies).
+TYPE_FILES = {
+    "test-jar": ("jar", "tests"),
+    "maven-plugin": ("jar", None),
+    "ejb": ("jar", None),
+    "ejb-client": ("jar", "client"),
+    "java-source": ("jar", "sources"),
+    "javadoc": ("jar", "javadoc"),
+    "bundle": ("jar", None),
+}
 ROOT_FILES = ("archetype-catalog.xml",)
 
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+~-]*$")
@@ -188,6 +206,36 @@ class MavenRepository:
             negative_ttl_s=self.options.negative_ttl_s,
             digests=ALL_DIGESTS,
         )
+
+    async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
+        """The pom and the artifact file (jar, or what the ``type`` and ``classifier``
+        qualifiers say) of the version(s) a purl names; without a version, the versions
+        are read from the artifact's maven-metadata.xml."""
+        if not self.options.upstream:
+            raise NotConfigured(
+                f"repository {self.name!r} has no upstream configured; "
+                f"set {self.settings.upstream_setting}"
+            )
+        if not package.namespace:
+            raise BadRequest(f"{package}: a Maven purl names the groupId as its namespace")
+        base = f"{package.namespace.replace('.', '/')}/{package.name}"
+        if package.version is not None:
+            chosen = [package.version]
+        else:
+            metadata_spec = self._spec(parse_path(f"{base}/maven-metadata.xml"))
+            body = await self.cache.read(metadata_spec, METADATA_BODY_LIMIT_BYTES)
+            chosen = select_versions(parse_metadata(body, metadata_spec.key), versions)
+            if not chosen:
+                raise NotFound(f"{package}: {metadata_spec.key} lists no release")
+        extension, classifier = artifact_file(package)
+        specs = []
+        for version in chosen:
+            stem = f"{base}/{version}/{package.name}-{version}"
+            specs.append(self._spec(parse_path(f"{stem}.pom")))
+            if extension != "pom":
+                suffix = f"-{classifier}" if classifier else ""
+                specs.append(self._spec(parse_path(f"{stem}{suffix}.{extension}")))
+        return specs
 
     async def _checksum(self, request: Request, spec: FetchSpec, algorithm: str) -> Response:
         """A checksum file, computed from the very bytes we serve for its base file.
@@ -356,6 +404,63 @@ def _retrieve_exception(task: asyncio.Task[Digests]) -> None:
         task.exception()
 
 
+def artifact_file(package: PackageRef) -> tuple[str, str | None]:
+    """(extension, classifier) from the purl's ``type`` and ``classifier`` qualifiers."""
+    maven_type = package.qualifier("type") or "jar"
+    extension, implied = TYPE_FILES.get(maven_type, (maven_type, None))
+    if not _SEGMENT_RE.match(extension):
+        raise BadRequest(f"{package}: {maven_type!r} is not a Maven type")
+    classifier = package.qualifier("classifier") or implied
+    if classifier is not None and not _SEGMENT_RE.match(classifier):
+        raise BadRequest(f"{package}: {classifier!r} is not a Maven classifier")
+    return extension, classifier
+
+
+@dataclass(frozen=True)
+class ArtifactVersions:
+    release: str | None
+    latest: str | None
+    versions: list[str]
+
+
+def parse_metadata(body: bytes, where: str) -> ArtifactVersions:
+    """The versions an artifact-level maven-metadata.xml lists (parsed safely: no
+    entities, no external references)."""
+    try:
+        root = SafeXml.fromstring(body)
+    except (SafeXml.ParseError, DefusedXmlException, ValueError) as exc:
+        raise UpstreamUnavailable(f"{where} is not valid metadata: {exc}") from exc
+
+    def child(node: Element | None, name: str) -> Element | None:
+        if node is None:
+            return None
+        return next((c for c in node if c.tag.rsplit("}", 1)[-1] == name), None)
+
+    def text(node: Element | None) -> str | None:
+        value = (node.text or "").strip() if node is not None else ""
+        return value if value and _SEGMENT_RE.match(value) else None
+
+    versioning = child(root, "versioning")
+    listed = child(versioning, "versions")
+    versions = [v for v in (text(c) for c in (listed if listed is not None else [])) if v]
+    return ArtifactVersions(
+        release=text(child(versioning, "release")),
+        latest=text(child(versioning, "latest")),
+        versions=versions,
+    )
+
+
+def select_versions(found: ArtifactVersions, versions: MirrorVersions) -> list[str]:
+    """``latest``: the <release>, else the last listed non-SNAPSHOT version; ``all``:
+    every listed non-SNAPSHOT version (in the order listed)."""
+    releases = [v for v in found.versions if not v.endswith("-SNAPSHOT")]
+    if versions == "all":
+        return releases
+    if found.release and not found.release.endswith("-SNAPSHOT"):
+        return [found.release]
+    return releases[-1:]
+
+
 def parse_checksum(body: bytes, algorithm: str) -> str | None:
     """The hex digest in a checksum file (``hex``, ``hex  name`` or ``name: hex`` forms)."""
     length = CHECKSUM_HEX_LENGTHS[algorithm]
@@ -396,4 +501,5 @@ FORMAT = FormatPlugin(
     options=MavenOptions,
     build=MavenRepository,
     default_repository={"name": "maven", "format": "maven"},
+    purl_types=("maven",),
 )

@@ -14,6 +14,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
+from packaging.version import InvalidVersion, Version
+
 from proxy.contract import (
     BadRequest,
     Duration,
@@ -25,8 +33,11 @@ from proxy.contract import (
     Kind,
     Link,
     LinkBatch,
+    MirrorVersions,
+    NotConfigured,
     NotFound,
     OriginContext,
+    PackageRef,
     RepositorySettings,
     Request,
     Response,
@@ -64,6 +75,7 @@ class PypiRepository:
         self.options = settings.options
         self.name = settings.name
         self.cache = ctx.cache
+        self.compute = ctx.compute
         # The engine answers 503 for a repository without an upstream, before we are asked.
         self.index_url = self.options.upstream[0] if self.options.upstream else ""
 
@@ -135,14 +147,85 @@ class PypiRepository:
             raise BadRequest(f"{name!r} is not a normalized project name")
         if not si.is_safe_filename(filename):
             raise BadRequest(f"{filename!r} is not a valid file name")
-        key = f"files/{name}/{filename}"
-        spec = FetchSpec(
+        return await self.cache.respond(self.file_spec(name, filename), request)
+
+    def file_spec(self, project: str, filename: str) -> FetchSpec:
+        key = f"files/{project}/{filename}"
+        return FetchSpec(
             key=key,
             kind=Kind.IMMUTABLE,
-            origin=FileOrigin(key, lambda: self.index_spec(name, "json")),
+            origin=FileOrigin(key, lambda: self.index_spec(project, "json")),
             negative_ttl_s=self.options.negative_ttl_s,
         )
-        return await self.cache.respond(spec, request)
+
+    # -- mirrors ---------------------------------------------------------------------
+
+    async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
+        """Every file of the version(s) a purl names, from the project's index page."""
+        if not si.is_valid_project_name(package.name) or package.namespace:
+            raise BadRequest(f"{package}: not a PyPI project name")
+        project = si.normalize(package.name)
+        if not self.index_url:  # mirrors call us directly, not through the engine's check
+            raise NotConfigured(
+                f"repository {self.name!r} has no upstream index configured; "
+                f"set {self.settings.upstream_setting}"
+            )
+        spec = self.index_spec(project, "json")
+        body = await self.cache.read(spec, self.options.max_index_size)
+        chosen = await self.compute(_files_to_mirror, body, project, package.version, versions)
+        if not chosen:
+            wanted = f"version {package.version}" if package.version else "a release"
+            raise NotFound(f"{package}: the index of {project!r} lists no file of {wanted}")
+        specs = []
+        for f in chosen:
+            specs.append(self.file_spec(project, f.filename))
+            if f.core_metadata:  # PEP 658: what resolvers fetch before the file
+                specs.append(self.file_spec(project, f.filename + ".metadata"))
+        return specs
+
+
+def _files_to_mirror(
+    body: bytes, project: str, version: str | None, versions: MirrorVersions
+) -> list[si.FileLink]:
+    """The files to warm, from our own JSON page of ``project`` (runs in ``compute``)."""
+    page = si.parse_project(body, si.JSON_V1, f"http://proxy/simple/{project}/", project)
+    return select_files(page.files, version, versions)
+
+
+def file_version(filename: str) -> Version | None:
+    """The version in a wheel or sdist file name (None if it names none we can read)."""
+    try:
+        if filename.endswith(".whl"):
+            return parse_wheel_filename(filename)[1]
+        return parse_sdist_filename(filename)[1]
+    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
+        return None
+
+
+def select_files(
+    files: list[si.FileLink], version: str | None, versions: MirrorVersions
+) -> list[si.FileLink]:
+    """The files of ``version``; without one, of the latest release or of every version.
+
+    The latest is the highest version with a file that is not yanked, preferring final
+    releases over pre-releases (as pip does). A pinned version is taken even if yanked.
+    """
+    dated = [(f, file_version(f.filename)) for f in files]
+    if version is not None:
+        try:
+            wanted = Version(version)
+        except InvalidVersion:
+            raise BadRequest(f"{version!r} is not a valid PyPI version (PEP 440)") from None
+        return [f for f, v in dated if v == wanted]
+    live = [(f, v) for f, v in dated if v is not None and not f.yanked]
+    if versions == "all":
+        return [f for f, _ in live]
+    found = {v for _, v in live}
+    releases = {v for v in found if not v.is_prerelease}
+    if not found:
+        return []
+    latest = max(releases or found)
+    return [f for f, v in live if v == latest]
 
 
 class IndexOrigin:
@@ -318,4 +401,5 @@ FORMAT = FormatPlugin(
     options=PypiOptions,
     build=PypiRepository,
     default_repository={"name": "pypi", "format": "pypi"},
+    purl_types=("pypi",),
 )

@@ -17,18 +17,20 @@ from typing import TYPE_CHECKING
 
 from proxy import metrics
 from proxy.catalog import Catalog
+from proxy.clock import Clock
 from proxy.exceptions import CatalogError
 from proxy.tasks import TaskSupervisor
 
 if TYPE_CHECKING:
     from proxy.blobs import BlobStore
     from proxy.cache import Cache
-    from proxy.clock import Clock
     from proxy.settings import Settings
 
 log = logging.getLogger("proxy.jobs")
 
-CHECK_PERIOD_MAX_S = 30.0  # how often a replica looks whether a job is due
+# How often a replica looks whether a job is due: also how soon another replica picks
+# up a run given back by one that was shut down mid-run.
+CHECK_PERIOD_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,11 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, catalog: Catalog, holder: str, tasks: TaskSupervisor) -> None:
+    def __init__(self, catalog: Catalog, holder: str, tasks: TaskSupervisor, clock: Clock) -> None:
         self.catalog = catalog
         self.holder = holder
         self.tasks = tasks
+        self.clock = clock
         self.jobs: list[Job] = []
 
     def add(self, job: Job) -> None:
@@ -84,10 +87,21 @@ class Scheduler:
             except Exception as exc:
                 metrics.JOB_RUNS.labels(job=job.name, outcome="failed").inc()
                 log.error("job %s failed: %r", job.name, exc, exc_info=exc)
+                await self._finish(job, run_id, "failed")
                 return False
+            # Still under the lock: the next pass cannot start before this one is recorded.
+            await self._finish(job, run_id, "ok")
         metrics.JOB_RUNS.labels(job=job.name, outcome="ran").inc()
+        metrics.JOB_LAST_SUCCESS.labels(job=job.name).set(self.clock.now_ms() / 1000)
         log.info("job %s: %s", job.name, summary)
         return True
+
+    async def _finish(self, job: Job, run_id: int, outcome: str) -> None:
+        try:
+            await self.catalog.finish_job_run(job.name, run_id, outcome)
+        except CatalogError as exc:
+            _raise_if_cancelling()
+            log.warning("job %s: could not record its outcome %s: %s", job.name, outcome, exc)
 
 
 def _raise_if_cancelling() -> None:
@@ -105,13 +119,27 @@ def standard_jobs(
     clock: Clock,
     size_limits: dict[str, int],
 ) -> list[Job]:
-    """Reclaim, and a sweep for every repository that has a size limit (its format says)."""
+    """Reclaim, eviction (which also deletes blobs past their grace), retention if a
+    repository has one, and a sweep for every repository whose format has a size limit.
+    """
+    from proxy.jobs.evict import Eviction
     from proxy.jobs.reclaim import Reclaim
+    from proxy.jobs.retention import Retention
     from proxy.jobs.sweep import RepositorySweep
 
+    intervals = settings.jobs
     reclaim = Reclaim(catalog, blobs, clock, settings.leases.retention_s)
-    jobs = [Job("reclaim", settings.jobs.reclaim_interval_s, reclaim.run)]
+    storage = settings.storage
+    evict = Eviction(storage.max_size, storage.low_watermark, intervals.evict_grace_s, cache)
+    jobs = [
+        Job("reclaim", intervals.reclaim_interval_s, reclaim.run),
+        Job("evict", intervals.evict_interval_s, evict.run),
+    ]
+    retentions = {r.name: r.retention_s for r in settings.repositories if r.retention_s}
+    if retentions:
+        retention = Retention(retentions, intervals.evict_grace_s, cache, clock)
+        jobs.append(Job("retention", intervals.retention_interval_s, retention.run))
     for repository, max_size in size_limits.items():
         sweep = RepositorySweep(repository, max_size, catalog, cache)
-        jobs.append(Job(f"sweep:{repository}", settings.jobs.sweep_interval_s, sweep.run))
+        jobs.append(Job(f"sweep:{repository}", intervals.sweep_interval_s, sweep.run))
     return jobs

@@ -2,7 +2,9 @@
 ``max_size``) under it.
 
 Least recently used entries (by last access, not by write time) go first, down to a
-low-water mark so the sweep does not run again at the next write.
+low-water mark so the sweep does not run again at the next write. Like every other
+removal, an evicted entry's blob is tombstoned and deleted after the grace period
+(docs/architecture.md, "Eviction and retention").
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from proxy.catalog import Catalog
 
 LOW_WATER_FRACTION = 0.9
 BATCH_ENTRIES = 500
-RECENT_BLOB_GUARD_S = 600.0  # younger unreferenced blobs are left to the reclaim job
 
 
 class RepositorySweep:
@@ -41,7 +42,7 @@ class RepositorySweep:
             for entry in batch:
                 if remaining <= target:
                     break
-                if not await self.cache.evict(entry, RECENT_BLOB_GUARD_S):
+                if not await self.cache.evict(entry):
                     continue  # overwritten or removed meanwhile
                 remaining -= entry.size
                 evicted += 1

@@ -6,6 +6,10 @@
 -- name: ping
 SELECT 1
 
+-- name: select_clock
+-- The database's clock, Unix ms.
+SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+
 -- name: lock_migrations
 -- Postgres only: replicas starting together apply the schema one after another; the lock
 -- is released by the commit (SQLite gets the same from BEGIN EXCLUSIVE).
@@ -61,7 +65,67 @@ FROM entries WHERE repository = $1 AND kind <> 'negative'
 ORDER BY last_access_ms LIMIT $2
 
 -- name: blob_referenced
+-- Referenced by an entry, or waiting out its grace period as a tombstone.
 SELECT EXISTS (SELECT 1 FROM entries WHERE sha256 = $1)
+    OR EXISTS (SELECT 1 FROM blob_tombstones WHERE sha256 = $1)
+
+-- name: storage_usage
+-- Proxied entries and bytes, hosted bytes, tombstoned bytes (sizes of entries, not of
+-- distinct blobs: docs/architecture.md, "Eviction and retention").
+SELECT p.entries, p.bytes, h.bytes, t.bytes FROM
+    (SELECT count(*) AS entries, coalesce(sum(size), 0)::bigint AS bytes
+     FROM entries WHERE kind IN ('immutable', 'metadata')) AS p,
+    (SELECT coalesce(sum(size), 0)::bigint AS bytes FROM entries WHERE kind = 'hosted') AS h,
+    (SELECT coalesce(sum(size), 0)::bigint AS bytes FROM blob_tombstones) AS t
+
+-- name: evict_lru
+-- ($1 bytes to free, $2 most entries): delete the least recently accessed proxied
+-- entries, in order, until $1 bytes are freed; returns what was deleted. Rows another
+-- transaction holds (an access flush touching them) are skipped, never waited for: a
+-- pass and a flush locking rows in different orders would deadlock. The trigger
+-- tombstones their blobs.
+WITH candidates AS (
+    SELECT repository, key, size, last_access_ms FROM entries
+    WHERE kind IN ('immutable', 'metadata') ORDER BY last_access_ms LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), victims AS (
+    SELECT repository, key, last_access_ms,
+           sum(size) OVER (ORDER BY last_access_ms, repository, key) - size AS freed_before
+    FROM candidates
+)
+DELETE FROM entries AS e USING victims AS v
+WHERE e.repository = v.repository AND e.key = v.key
+  AND e.last_access_ms = v.last_access_ms AND v.freed_before < $1::bigint
+RETURNING e.repository, e.key, e.sha256, e.size
+
+-- name: expire_unused
+-- ($1 repository, $2 last accessed before ms, $3 most entries): retention.
+DELETE FROM entries AS e USING (
+    SELECT repository, key FROM entries
+    WHERE repository = $1 AND last_access_ms < $2 AND kind IN ('immutable', 'metadata')
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED  -- as in evict_lru: never wait on a flush's row locks
+) AS v
+WHERE e.repository = v.repository AND e.key = v.key AND e.last_access_ms < $2
+RETURNING e.repository, e.key, e.sha256, e.size
+
+-- name: drop_referenced_tombstones
+-- Blobs referenced again (stored anew) are not deleted.
+DELETE FROM blob_tombstones AS t
+WHERE EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
+
+-- name: take_due_tombstones
+-- ($1 grace seconds, $2 most blobs): tombstones older than the grace period whose blob
+-- no entry refers to; the caller deletes their files.
+WITH due AS (
+    SELECT t.sha256 FROM blob_tombstones AS t
+    WHERE t.tombstoned_at <= clock_timestamp() - make_interval(secs => $1)
+      AND NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
+    ORDER BY t.tombstoned_at LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM blob_tombstones AS b USING due WHERE b.sha256 = due.sha256
+RETURNING b.sha256, b.size
 
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < $1
@@ -120,14 +184,27 @@ SELECT pg_advisory_unlock(hashtext('proxy-job:' || $1))
 
 -- name: claim_job_run
 -- ($1 name, $2 interval seconds, $3 holder): a start, if the last one is older than the interval.
-INSERT INTO job_runs (name, run_id, started_at, previous_started_at, holder)
-VALUES ($1, 1, clock_timestamp(), NULL, $3)
+INSERT INTO job_runs (name, run_id, started_at, previous_started_at, holder, outcome)
+VALUES ($1, 1, clock_timestamp(), NULL, $3, 'running')
 ON CONFLICT (name) DO UPDATE SET
     run_id = job_runs.run_id + 1, previous_started_at = job_runs.started_at,
-    started_at = EXCLUDED.started_at, holder = EXCLUDED.holder
+    started_at = EXCLUDED.started_at, holder = EXCLUDED.holder, outcome = 'running'
 WHERE job_runs.started_at <= clock_timestamp() - make_interval(secs => $2)
 RETURNING run_id
 
 -- name: give_back_job_run
-UPDATE job_runs SET started_at = coalesce(previous_started_at, '-infinity')
+UPDATE job_runs SET started_at = coalesce(previous_started_at, '-infinity'),
+                    outcome = 'cancelled', finished_at = clock_timestamp()
 WHERE name = $1 AND run_id = $2
+
+-- name: finish_job_run
+-- ($1 name, $2 run id, $3 outcome): how the run ended (ok, failed).
+UPDATE job_runs SET outcome = $3, finished_at = clock_timestamp() WHERE name = $1 AND run_id = $2
+
+-- name: select_job_runs
+-- Every job's last run; times in Unix ms (NULL: never started), and the database's now.
+SELECT name, run_id,
+       CASE WHEN isfinite(started_at) THEN (extract(epoch FROM started_at) * 1000)::bigint END,
+       (extract(epoch FROM finished_at) * 1000)::bigint, outcome, holder,
+       (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+FROM job_runs ORDER BY name

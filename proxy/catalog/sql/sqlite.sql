@@ -6,6 +6,10 @@
 -- name: ping
 SELECT 1
 
+-- name: select_clock
+-- The database's clock, Unix ms.
+SELECT clock_ms()
+
 -- name: create_schema_migrations
 CREATE TABLE IF NOT EXISTS schema_migrations
     (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at_ms INTEGER NOT NULL)
@@ -57,7 +61,56 @@ FROM entries WHERE repository = ?1 AND kind <> 'negative'
 ORDER BY last_access_ms LIMIT ?2
 
 -- name: blob_referenced
+-- Referenced by an entry, or waiting out its grace period as a tombstone.
 SELECT EXISTS (SELECT 1 FROM entries WHERE sha256 = ?1)
+    OR EXISTS (SELECT 1 FROM blob_tombstones WHERE sha256 = ?1)
+
+-- name: storage_usage
+-- Proxied entries and bytes, hosted bytes, tombstoned bytes (sizes of entries, not of
+-- distinct blobs: docs/architecture.md, "Eviction and retention").
+SELECT p.entries, p.bytes, h.bytes, t.bytes FROM
+    (SELECT count(*) AS entries, coalesce(sum(size), 0) AS bytes
+     FROM entries WHERE kind IN ('immutable', 'metadata')) AS p,
+    (SELECT coalesce(sum(size), 0) AS bytes FROM entries WHERE kind = 'hosted') AS h,
+    (SELECT coalesce(sum(size), 0) AS bytes FROM blob_tombstones) AS t
+
+-- name: evict_lru
+-- (?1 bytes to free, ?2 most entries): delete the least recently accessed proxied
+-- entries, in order, until ?1 bytes are freed; returns what was deleted. The trigger
+-- tombstones their blobs.
+DELETE FROM entries WHERE rowid IN (
+    SELECT rid FROM (
+        SELECT rid, sum(size) OVER (ORDER BY last_access_ms, rid) - size AS freed_before
+        FROM (SELECT rowid AS rid, size, last_access_ms FROM entries
+              WHERE kind IN ('immutable', 'metadata') ORDER BY last_access_ms LIMIT ?2)
+    ) WHERE freed_before < ?1
+)
+RETURNING repository, key, sha256, size
+
+-- name: expire_unused
+-- (?1 repository, ?2 last accessed before ms, ?3 most entries): retention.
+DELETE FROM entries WHERE rowid IN (
+    SELECT rowid FROM entries
+    WHERE repository = ?1 AND last_access_ms < ?2 AND kind IN ('immutable', 'metadata')
+    LIMIT ?3
+)
+RETURNING repository, key, sha256, size
+
+-- name: drop_referenced_tombstones
+-- Blobs referenced again (stored anew) are not deleted.
+DELETE FROM blob_tombstones
+WHERE EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = blob_tombstones.sha256)
+
+-- name: take_due_tombstones
+-- (?1 grace seconds, ?2 most blobs): tombstones older than the grace period whose blob
+-- no entry refers to; the caller deletes their files.
+DELETE FROM blob_tombstones WHERE sha256 IN (
+    SELECT t.sha256 FROM blob_tombstones AS t
+    WHERE t.tombstoned_at_ms <= clock_ms() - CAST(?1 * 1000 AS INTEGER)
+      AND NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
+    ORDER BY t.tombstoned_at_ms LIMIT ?2
+)
+RETURNING sha256, size
 
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < ?1
@@ -116,14 +169,24 @@ DELETE FROM fetch_leases WHERE expires_at < clock_ms() - CAST(?1 * 1000 AS INTEG
 
 -- name: claim_job_run
 -- (?1 name, ?2 interval seconds, ?3 holder): a start, if the last one is older than the interval.
-INSERT INTO job_runs (name, run_id, started_at_ms, previous_started_at_ms, holder)
-VALUES (?1, 1, clock_ms(), NULL, ?3)
+INSERT INTO job_runs (name, run_id, started_at_ms, previous_started_at_ms, holder, outcome)
+VALUES (?1, 1, clock_ms(), NULL, ?3, 'running')
 ON CONFLICT (name) DO UPDATE SET
     run_id = job_runs.run_id + 1, previous_started_at_ms = job_runs.started_at_ms,
-    started_at_ms = excluded.started_at_ms, holder = excluded.holder
+    started_at_ms = excluded.started_at_ms, holder = excluded.holder, outcome = 'running'
 WHERE job_runs.started_at_ms <= clock_ms() - CAST(?2 * 1000 AS INTEGER)
 RETURNING run_id
 
 -- name: give_back_job_run
-UPDATE job_runs SET started_at_ms = coalesce(previous_started_at_ms, 0)
+UPDATE job_runs SET started_at_ms = coalesce(previous_started_at_ms, 0),
+                    outcome = 'cancelled', finished_at_ms = clock_ms()
 WHERE name = ?1 AND run_id = ?2
+
+-- name: finish_job_run
+-- (?1 name, ?2 run id, ?3 outcome): how the run ended (ok, failed).
+UPDATE job_runs SET outcome = ?3, finished_at_ms = clock_ms() WHERE name = ?1 AND run_id = ?2
+
+-- name: select_job_runs
+-- Every job's last run; times in Unix ms (NULL: never started), and the database's now.
+SELECT name, run_id, nullif(started_at_ms, 0), finished_at_ms, outcome, holder, clock_ms()
+FROM job_runs ORDER BY name

@@ -1,0 +1,234 @@
+"""Mirrors: warm the cache with the packages that purls (and SBOMs) name
+(docs/architecture.md, "Mirrors").
+
+A run resolves each purl to a repository (the named one, or the first whose format
+mirrors the purl's type), asks that repository's format which keys make up the
+package (``MirrorAdapter.mirror``), and warms each key through the cache: items
+already cached and fresh cost no upstream request, and an item a client is fetching
+shares that fetch (single flight and fetch leases). Every failure is logged and
+counted and the run goes on. The scheduler runs each ``[[mirrors]]`` once per interval
+for the fleet (job ``mirror:<name>``); ``proxy mirror`` runs one pass now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, TypeVar, cast
+
+from proxy import metrics
+from proxy.blocking import run_blocking
+from proxy.contract import FetchSpec, MirrorAdapter, MirrorVersions, RepositoryCache
+from proxy.exceptions import NotFound, ProxyError
+from proxy.purls import parse_purl
+from proxy.sbom import purls_in_sbom
+from proxy.settings import MirrorSettings
+from proxy.types import PackageRef
+from proxy.units import human_size
+
+log = logging.getLogger("proxy.mirrors")
+T = TypeVar("T")
+
+MIRROR_CONCURRENCY = 4  # packages resolved and keys warmed at once, per run
+SBOM_LIMIT_BYTES = 64 * 1024 * 1024
+
+Outcome = Literal["fetched", "cached", "missing", "failed", "skipped"]
+
+
+@dataclass
+class MirrorSummary:
+    fetched: int = 0
+    cached: int = 0  # already cached and fresh: no upstream request
+    missing: int = 0  # confirmed absent upstream (e.g. no jar for a pom-only artifact)
+    failed: int = 0
+    skipped: int = 0  # purls of a type no repository here mirrors
+    bytes: int = 0  # of the items fetched
+
+    def add(self, outcome: Outcome, size: int = 0) -> None:
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        if outcome == "fetched":
+            self.bytes += size
+
+    def line(self) -> str:
+        return (
+            f"{self.fetched} fetched ({human_size(self.bytes)}), {self.cached} already cached, "
+            f"{self.missing} missing upstream, {self.failed} failed, {self.skipped} skipped"
+        )
+
+
+class Progress(Protocol):
+    """What a run reports as it goes (``proxy mirror`` draws it)."""
+
+    def planned(self, items: int) -> None:
+        """``items`` more keys are known to warm."""
+        ...
+
+    def done(self, label: str, outcome: Outcome, size: int) -> None: ...
+
+
+class _Quiet:
+    def planned(self, items: int) -> None:
+        pass
+
+    def done(self, label: str, outcome: Outcome, size: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Target:
+    package: PackageRef
+    repository: str
+
+
+class Mirrors:
+    """Runs mirror passes over the engine's repositories."""
+
+    def __init__(
+        self,
+        adapters: dict[str, MirrorAdapter],
+        purl_types: dict[str, tuple[str, ...]],
+        caches: dict[str, RepositoryCache],
+    ) -> None:
+        # Repository name -> its adapter, the purl types its format mirrors, its cache;
+        # in config order, so the first repository serving a type is the default.
+        self.adapters = adapters
+        self.purl_types = purl_types
+        self.caches = caches
+
+    def job(self, mirror: MirrorSettings) -> Callable[[], Awaitable[str]]:
+        async def run() -> str:
+            summary = await self.run(
+                mirror.name, mirror.packages, mirror.sbom, mirror.versions, mirror.repository
+            )
+            return summary.line()
+
+        return run
+
+    async def run(
+        self,
+        name: str,
+        purls: Sequence[str],
+        sbom: Path | None,
+        versions: str,
+        repository: str | None,
+        progress: Progress | None = None,
+    ) -> MirrorSummary:
+        """One pass: every purl given and every purl in ``sbom``."""
+        progress = progress or _Quiet()
+        summary = MirrorSummary()
+
+        def count(label: str, outcome: Outcome, size: int = 0) -> None:
+            summary.add(outcome, size)
+            metrics.MIRROR_ITEMS.labels(mirror=name, outcome=outcome).inc()
+            progress.done(label, outcome, size)
+
+        listed = list(purls)
+        if sbom is not None:
+            try:
+                listed += await run_blocking(read_sbom, sbom)
+            except ValueError as exc:
+                log.error("mirror %s: sbom %s: %s", name, sbom, exc)
+                progress.planned(1)
+                count(str(sbom), "failed")
+        targets = self.targets(name, listed, repository, count, progress)
+        mode = cast(MirrorVersions, versions)
+        specs: list[tuple[str, FetchSpec]] = []
+
+        async def plan(target: Target) -> None:
+            adapter = self.adapters[target.repository]
+            try:
+                found = await adapter.mirror(target.package, mode)
+            except NotFound as exc:
+                log.warning("mirror %s: %s: %s", name, target.package, exc)
+                count(str(target.package), "missing")
+                return
+            except (ProxyError, OSError) as exc:
+                log.error("mirror %s: %s: %s", name, target.package, exc)
+                count(str(target.package), "failed")
+                return
+            if not found:
+                count(str(target.package), "missing")
+                return
+            progress.planned(len(found) - 1)  # the package itself was counted as one
+            specs.extend((target.repository, spec) for spec in found)
+
+        progress.planned(len(targets))
+        await _each(targets, plan)
+
+        async def warm(item: tuple[str, FetchSpec]) -> None:
+            repository, spec = item
+            label = f"{repository}/{spec.key}"
+            try:
+                result = await self.caches[repository].warm(spec)
+            except (ProxyError, OSError) as exc:
+                log.error("mirror %s: %s: %s", name, label, exc)
+                count(label, "failed")
+                return
+            count(label, result.outcome, result.size)
+
+        await _each(specs, warm)
+        return summary
+
+    def targets(
+        self,
+        name: str,
+        purls: Iterable[str],
+        repository: str | None,
+        count: Callable[[str, Outcome], None],
+        progress: Progress,
+    ) -> list[Target]:
+        """Each purl and the repository that mirrors it (skipped, counted, if none does)."""
+        found: dict[tuple[str, str], Target] = {}
+        for text in purls:
+            try:
+                package = parse_purl(text)
+            except ValueError as exc:
+                log.error("mirror %s: %s", name, exc)
+                progress.planned(1)
+                count(text, "failed")
+                continue
+            serving = [
+                repo
+                for repo, types in self.purl_types.items()
+                if package.type in types and repository in (None, repo)
+            ]
+            if not serving:
+                log.warning(
+                    "mirror %s: %s: no repository here mirrors purl type %r; skipped",
+                    name,
+                    package,
+                    package.type,
+                )
+                progress.planned(1)
+                count(str(package), "skipped")
+                continue
+            found.setdefault((serving[0], package.purl), Target(package, serving[0]))
+        return list(found.values())
+
+
+def read_sbom(path: Path) -> list[str]:
+    """The purls of an SBOM file (blocking: run it in the I/O pool)."""
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(SBOM_LIMIT_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror})") from None
+    if len(data) > SBOM_LIMIT_BYTES:
+        raise ValueError(f"is over {SBOM_LIMIT_BYTES} bytes")
+    return purls_in_sbom(data)
+
+
+async def _each(items: Sequence[T], work: Callable[[T], Awaitable[None]]) -> None:
+    """``work`` on every item, ``MIRROR_CONCURRENCY`` at a time; cancellation stops all."""
+    queue = iter(items)
+
+    async def worker() -> None:
+        for item in queue:
+            await work(item)
+
+    async with asyncio.TaskGroup() as group:
+        for _ in range(min(MIRROR_CONCURRENCY, len(items))):
+            group.create_task(worker())

@@ -1,0 +1,162 @@
+"""Eviction by size, retention by age and the blob grace period, through the engine
+(docs/architecture.md, "Eviction and retention"). Time is a ManualClock; Postgres
+judges tombstone ages by its own clock, so there the grace is really waited out."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from proxy.clock import ManualClock
+from proxy.config import load
+from proxy.engine import Engine, open_engine
+from proxy.jobs import Job
+from tests.conftest import pypi_config, write_config
+from tests.upstream import FakeUpstream, ProjectFile
+
+pytestmark = pytest.mark.anyio
+
+KB = 1000
+GRACE_S = 0.5
+
+
+@asynccontextmanager
+async def engine_for(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    clock: ManualClock,
+    database_url: str,
+    storage: str = "",
+    repo_extra: str = "",
+) -> AsyncIterator[Engine]:
+    extra = f'[database]\nurl = "{database_url}"\n[jobs]\nevict_grace = "{GRACE_S}s"\n'
+    body = pypi_config(tmp_path / "data", upstream.base_url, extra=extra, repo_extra=repo_extra)
+    body = body.replace("[storage]\n", f"[storage]\n    {storage}\n", 1)
+    settings = load(write_config(tmp_path, body), {})
+    async with open_engine(settings, clock) as engine:
+        yield engine
+
+
+def job(engine: Engine, name: str) -> Job:
+    return next(j for j in engine.jobs() if j.name == name)
+
+
+def add_files(upstream: FakeUpstream, count: int, size: int) -> list[ProjectFile]:
+    files = [ProjectFile(f"pkg-1.{i}.tar.gz", os.urandom(size)) for i in range(count)]
+    upstream.add_project("pkg", files)
+    return files
+
+
+async def warm_in_order(engine: Engine, clock: ManualClock, files: list[ProjectFile]) -> None:
+    """Fetch each file one second after the previous, so access order is file order."""
+    view = engine.mirrors.caches["pypi"]
+    adapter = engine.mirrors.adapters["pypi"]
+    for f in files:
+        clock.advance(1)
+        spec = adapter.file_spec("pkg", f.filename)  # type: ignore[attr-defined]
+        assert (await view.warm(spec)).outcome == "fetched"
+
+
+def blob_exists(engine: Engine, body: bytes) -> bool:
+    import hashlib
+
+    return engine.blobs.path(hashlib.sha256(body).hexdigest()).exists()
+
+
+async def pass_grace(engine: Engine, clock: ManualClock) -> None:
+    clock.advance(120)  # past the grace and the guard for just-published blob files
+    if engine.catalog.backend == "postgres":
+        await asyncio.sleep(GRACE_S + 0.2)  # tombstone ages are the database's clock
+
+
+async def test_a_pass_removes_the_overshoot_least_recently_used_first(
+    tmp_path: Path, upstream: FakeUpstream, clock: ManualClock, database_url: str
+) -> None:
+    files = add_files(upstream, 10, 100 * KB)
+    storage = 'max_size = "700KB"\n    low_watermark = "80%"'
+    async with engine_for(tmp_path, upstream, clock, database_url, storage) as engine:
+        await warm_in_order(engine, clock, files)
+        # The two oldest are read again: now the third and later are least recently used.
+        view, adapter = engine.mirrors.caches["pypi"], engine.mirrors.adapters["pypi"]
+        for f in files[:2]:
+            clock.advance(1)
+            assert (await view.warm(adapter.file_spec("pkg", f.filename))).outcome == "cached"  # type: ignore[attr-defined]
+        before = await engine.catalog.storage_usage()
+        assert before.proxied_bytes > 1000 * KB  # ten files and the index page
+        summary = await job(engine, "evict").run()
+        after = await engine.catalog.storage_usage()
+        # At the low watermark (560KB), short of it by less than one entry: the overshoot
+        # went, not the cache.
+        assert 460 * KB < after.proxied_bytes <= 560 * KB, summary
+        # Least recently used first: the index page (fetched with the first file), then
+        # files 2..6; the two re-read and the three newest stayed.
+        present = [
+            f.filename
+            for f in files
+            if await engine.catalog.get_entry("pypi", f"files/pkg/{f.filename}") is not None
+        ]
+        assert present == [files[i].filename for i in (0, 1, 7, 8, 9)]
+        # Evicted blobs stay on disk through the grace period (readers finish) ...
+        assert blob_exists(engine, files[2].body)
+        assert after.tombstoned_bytes >= 4 * 100 * KB
+        assert "nothing to evict" in await job(engine, "evict").run()  # a second pass
+        await pass_grace(engine, clock)
+        await job(engine, "evict").run()
+        # ... and are deleted after it; what is still cached keeps its blob.
+        assert not blob_exists(engine, files[2].body)
+        assert blob_exists(engine, files[0].body) and blob_exists(engine, files[-1].body)
+        assert (await engine.catalog.storage_usage()).tombstoned_bytes == 0
+        # An evicted file is simply fetched again.
+        assert (await view.warm(adapter.file_spec("pkg", files[2].filename))).outcome == "fetched"  # type: ignore[attr-defined]
+        assert upstream.count(f"/packages/{files[2].filename}") == 2
+
+
+async def test_without_max_size_nothing_is_evicted(
+    tmp_path: Path, upstream: FakeUpstream, clock: ManualClock, database_url: str
+) -> None:
+    files = add_files(upstream, 3, 10 * KB)
+    async with engine_for(tmp_path, upstream, clock, database_url) as engine:
+        await warm_in_order(engine, clock, files)
+        summary = await job(engine, "evict").run()
+        assert "proxied" in summary and "evicted" not in summary
+        assert (await engine.catalog.storage_usage()).proxied_entries == 4
+
+
+async def test_retention_removes_entries_unused_for_the_repository_retention(
+    tmp_path: Path, upstream: FakeUpstream, clock: ManualClock, database_url: str
+) -> None:
+    files = add_files(upstream, 3, 10 * KB)
+    async with engine_for(
+        tmp_path, upstream, clock, database_url, repo_extra='retention = "1h"'
+    ) as engine:
+        await warm_in_order(engine, clock, files)
+        clock.advance(3000)
+        view, adapter = engine.mirrors.caches["pypi"], engine.mirrors.adapters["pypi"]
+        # A hit records its access in memory only; the pass flushes it first.
+        assert (await view.warm(adapter.file_spec("pkg", files[0].filename))).outcome == "cached"  # type: ignore[attr-defined]
+        clock.advance(1000)  # files 1 and 2 (and the page) now unused for over an hour
+        summary = await job(engine, "retention").run()
+        assert "pypi: 3 entries" in summary
+        keys = [f"files/pkg/{f.filename}" for f in files]
+        assert [await engine.catalog.get_entry("pypi", k) is not None for k in keys] == [
+            True,
+            False,
+            False,
+        ]
+        await pass_grace(engine, clock)
+        await job(engine, "retention").run()
+        assert not blob_exists(engine, files[1].body) and blob_exists(engine, files[0].body)
+
+
+async def test_a_repository_without_retention_schedules_no_retention_job(
+    tmp_path: Path, upstream: FakeUpstream, clock: ManualClock
+) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    async with engine_for(tmp_path, upstream, clock, url) as engine:
+        names = [j.name for j in engine.jobs()]
+        assert names == ["reclaim", "evict"]
