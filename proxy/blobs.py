@@ -24,13 +24,18 @@ from proxy.exceptions import StorageError
 from proxy.types import Digests
 
 TEMP_SUFFIX = ".part"
+WRITE_QUEUE_MAX_BYTES = 8 * 1024 * 1024  # queued behind the batch in flight: then wait
 
 
 class TempBlob:
     """A temp file being written; readable by others (by path) while it grows.
 
-    Writes are pipelined: ``write`` hands a chunk to a thread and returns once the
-    previous chunk is written, so the next network read overlaps this disk write.
+    Writes are batched and pipelined: ``write`` queues a chunk and returns at once; one
+    batch at a time is hashed and written in a thread, and whatever arrived meanwhile
+    goes out as the next batch. A slow upstream's first bytes reach the file (and the
+    clients reading it) straight away; a fast one's 64 KiB reads are written a few MiB
+    at a time, with one thread hop per batch instead of one per read. ``write`` waits
+    only when ``WRITE_QUEUE_MAX_BYTES`` are queued behind the batch in flight.
     ``written`` counts the bytes already in the file; ``flush`` waits for the rest.
     """
 
@@ -41,50 +46,86 @@ class TempBlob:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         names = {"sha256", *digests}
         self._hashers = {name: hashlib.new(name) for name in sorted(names)}
-        self._pending: asyncio.Future[None] | None = None
+        self._pending: asyncio.Future[None] | None = None  # the batch being written
+        self._queued: list[bytes] = []
+        self._queued_bytes = 0
+        self._error: OSError | None = None
         self.on_progress: Callable[[int], None] | None = None  # called with `written`
 
-    def _write_sync(self, chunk: bytes) -> None:
-        # hashlib releases the GIL on large buffers, so hashing here runs beside the loop.
+    def _write_sync(self, chunks: list[bytes]) -> None:
+        # One buffer per batch: hashing and writing release the interpreter lock, and
+        # every time they take it back they may wait for the event loop to let go of it;
+        # once per batch costs little, once per 64 KiB read held a fast download back.
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         for hasher in self._hashers.values():
-            hasher.update(chunk)
-        view = memoryview(chunk)
+            hasher.update(data)
+        view = memoryview(data)
         while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
+            view = view[os.write(self._fd, view) :]
 
     async def write(self, chunk: bytes) -> None:
         if not chunk:
             return
-        await self.flush()
-        pending = asyncio.get_running_loop().run_in_executor(None, self._write_sync, chunk)
+        self._raise_if_failed()
+        self.size += len(chunk)
+        self._queued.append(chunk)
+        self._queued_bytes += len(chunk)
+        if self._pending is None:
+            self._start_batch()
+        elif self._queued_bytes >= WRITE_QUEUE_MAX_BYTES:
+            await self._wait_for_batch()
+
+    def _start_batch(self) -> None:
+        batch, self._queued, self._queued_bytes = self._queued, [], 0
+        pending = asyncio.get_running_loop().run_in_executor(None, self._write_sync, batch)
         # Announce progress the moment the bytes are in the file, not at the next write:
         # readers must not wait for the upstream's next chunk to see this one.
-        pending.add_done_callback(functools.partial(self._written, n_bytes=len(chunk)))
+        pending.add_done_callback(
+            functools.partial(self._written, n_bytes=sum(len(c) for c in batch))
+        )
         self._pending = pending
-        self.size += len(chunk)
 
     def _written(self, future: asyncio.Future[None], *, n_bytes: int) -> None:
-        if future.cancelled() or future.exception() is not None:
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            self._error = error if isinstance(error, OSError) else OSError(str(error))
             return
         self.written += n_bytes
+        if self._queued and self._error is None:
+            self._start_batch()
+        else:
+            self._pending = None
         if self.on_progress is not None:
             self.on_progress(self.written)
 
-    async def flush(self) -> None:
+    async def _wait_for_batch(self) -> None:
         pending = self._pending
-        if pending is not None:
+        if pending is not None and pending.done():
+            # Done, but its callback (which starts the next batch) has not run yet:
+            # awaiting a done future would not yield, so let the loop run it.
+            await asyncio.sleep(0)
+        elif pending is not None:
             # Shielded: cancelling the wrapper would not stop the thread, and discard()
             # must not close the descriptor under a write still running.
-            try:
+            with contextlib.suppress(Exception):
                 await asyncio.shield(pending)
-            except OSError as exc:
-                raise storage_error(f"writing {self.path}", "write", exc) from exc
-            self._pending = None
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise storage_error(f"writing {self.path}", "write", self._error) from self._error
+
+    async def flush(self) -> None:
+        """Wait until everything written so far is in the file."""
+        while self._pending is not None and self._error is None:
+            await self._wait_for_batch()
+        self._raise_if_failed()
 
     def digests(self) -> Digests:
         """The digests of what was written; call after ``flush``."""
-        assert self._pending is None, "digests() before flush()"
+        assert self._pending is None and not self._queued, "digests() before flush()"
         return {name: hasher.hexdigest() for name, hasher in self._hashers.items()}
 
     @property
@@ -105,6 +146,7 @@ class TempBlob:
 
     def discard(self) -> None:
         self.on_progress = None
+        self._queued, self._queued_bytes = [], 0  # nothing more is written
         if self._pending is not None:
             # A write still in its thread owns the descriptor: close once it is done.
             self._pending.add_done_callback(lambda _f: self.close())

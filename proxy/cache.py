@@ -269,7 +269,7 @@ class RepositoryView:
         if isinstance(outcome, Streaming):
             now_ms = self.cache.clock.now_ms()
             policy = responses.cache_control(spec.kind, spec.expires_at_ms(now_ms), now_ms)
-            return responses.downloading(request.method, outcome.download, extra, self.name, policy)
+            return responses.downloading(request.method, outcome.transfer, extra, self.name, policy)
         if isinstance(outcome, Inline):
             return responses.inline(
                 request.headers,
@@ -309,7 +309,7 @@ class RepositoryView:
                 for name in ("md5", "sha1", "sha256", "sha512")
             }
         if isinstance(outcome, Streaming):
-            entry = await outcome.download.result()
+            entry = await outcome.transfer.result()
         else:
             entry = outcome.entry
         if entry is None:
@@ -325,7 +325,7 @@ class RepositoryView:
                 body = outcome.body
             else:
                 if isinstance(outcome, Streaming):
-                    stored = await outcome.download.result()
+                    stored = await outcome.transfer.result()
                     if stored is None:
                         raise UpstreamUnavailable(f"{spec.key}: stored but not recorded; retry")
                     entry = stored
@@ -354,7 +354,7 @@ class RepositoryView:
         if isinstance(outcome, Inline):
             return WarmResult("fetched", len(outcome.body))
         if isinstance(outcome, Streaming):
-            entry = await outcome.download.result()
+            entry = await outcome.transfer.result()
             return WarmResult("fetched", entry.size if entry is not None else 0)
         return WarmResult("cached" if hit else "fetched", outcome.entry.size)
 

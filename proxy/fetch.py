@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
 
 from proxy import metrics
 from proxy.blobs import BlobStore
-from proxy.catalog import Catalog, Entry
+from proxy.catalog import Catalog, Entry, StreamInfo
 from proxy.clock import Clock
 from proxy.contract import Fetched, FetchSpec, OriginContext, Status
 from proxy.download import Download
@@ -35,11 +36,13 @@ from proxy.exceptions import (
 )
 from proxy.leases import HeldLease, LeaseCoordinator, Verdict
 from proxy.tasks import TaskSupervisor
+from proxy.transfer import LocalFile, SharedFile, Source, Transfer
 from proxy.types import KNOWN_DIGESTS, Kind, Validators
 
 log = logging.getLogger("proxy.fetch")
 
 INLINE_BODY_LIMIT_BYTES = 64 * 1024 * 1024  # bodies never stored (TTL 0) are held in memory
+_TEMP_NAME_RE = re.compile(r"[0-9a-f]{32}\.part")
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Stored:
 
 @dataclass(frozen=True)
 class Streaming:
-    download: Download
+    transfer: Transfer
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class _Flight:
 
     def __init__(self) -> None:
         self.first: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self.download: Download | None = None
+        self.download: Download | None = None  # ours, when we download it
+        self.transfer: Transfer | None = None  # what our clients read, once streaming
 
     def settle(self, outcome: Outcome) -> None:
         if not self.first.done():
@@ -103,6 +107,8 @@ class _Flight:
     def settle_error(self, exc: BaseException) -> None:
         if self.download is not None:
             self.download.fail(exc)
+        if self.transfer is not None:
+            self.transfer.fail(exc)
         if not self.first.done():
             self.first.set_exception(exc)
 
@@ -174,6 +180,7 @@ class Fetcher:
             await self._download(miss, stale, flight, held=None)
             return
         took_over = False
+        following: int | None = None  # the fence whose announced file our clients read
         while True:
             held = await self.leases.claim(miss.repository, miss.key)
             if held is not None:
@@ -191,16 +198,34 @@ class Fetcher:
                     return
                 await self._download(miss, stale, flight, held)
                 return
-            metrics.LEASE_WAITS.labels(repository=miss.repository).inc()
+            if following is None:
+                metrics.LEASE_WAITS.labels(repository=miss.repository).inc()
             result = await self.leases.wait(
-                miss.repository, miss.key, lambda: self._find_fresh(miss)
+                miss.repository, miss.key, lambda: self._find_fresh(miss), following
             )
+            if result.verdict is Verdict.STREAM:
+                # The holder writes a file on the shared volume: our clients read it as it
+                # grows, and we keep waiting for the outcome.
+                following = result.fence
+                assert result.stream is not None
+                await self._follow(miss, flight, result.stream)
+                continue
             if result.verdict is Verdict.ENTRY:
-                assert result.entry is not None
-                self.index.put(result.entry)
-                flight.settle(_served(result.entry))
+                entry = result.entry
+                assert entry is not None
+                self.index.put(entry)
+                if flight.transfer is not None and entry.sha256 is not None:
+                    await flight.transfer.adopt_blob(entry, self.blobs.path_str(entry.sha256))
+                flight.settle(_served(entry))
                 return
             if result.verdict is Verdict.FAILED:
+                if flight.transfer is not None:
+                    # Our clients were reading that replica's download: it failed (say, a
+                    # digest mismatch), so theirs end short, as the holder's own do.
+                    flight.transfer.fail(
+                        UpstreamUnavailable(f"{miss.key}: the download by another replica failed")
+                    )
+                    return
                 if stale is not None:
                     reason = f"the fetch by another process failed (fence {result.fence})"
                     self._serve_stale(miss, stale, reason, flight)
@@ -214,7 +239,37 @@ class Fetcher:
                 miss.key,
                 result.fence,
             )
+            if flight.transfer is not None:
+                flight.transfer.lost()  # our clients wait for the next download
+            following = None
             took_over = True
+
+    async def _follow(self, miss: Miss, flight: _Flight, stream: StreamInfo) -> None:
+        """Serve our clients from the file another replica announced."""
+        if not miss.spec.stream:
+            return
+        path = str(self.blobs.tmp_dir / stream.file)
+        if not _is_plain_name(stream.file):
+            log.warning("ignoring a stream announcement naming %r", stream.file)
+            return
+        try:
+            source = await SharedFile.open(
+                path, stream.content_type, stream.length, self.tasks.spawn, complete=False
+            )
+        except OSError as exc:
+            # Finished and renamed already, or not visible here: the entry will do.
+            log.debug("announced download %s not readable here: %s", path, exc)
+            return
+        self._attach(flight, source)
+
+    def _attach(self, flight: _Flight, source: Source) -> None:
+        """Give our clients ``source``: the first one starts their answers; a later one
+        takes over from a source that was lost, once proven to start the same way."""
+        if flight.transfer is None:
+            flight.transfer = Transfer(source, self.tasks.spawn)
+            flight.settle(Streaming(flight.transfer))
+        else:
+            flight.transfer.replace(source)
 
     async def _find_fresh(self, miss: Miss) -> Entry | None:
         entry = await self.catalog.get_entry(miss.repository, miss.key)
@@ -266,7 +321,7 @@ class Fetcher:
                     flight.settle(Inline(body, fetched.content_type))
                     outcome = "passed_through"
                 else:
-                    await self._store_body(miss, fetched, flight)
+                    await self._store_body(miss, fetched, flight, held)
                     outcome = "stored"
             state = "done"
         except UpstreamError as exc:
@@ -313,7 +368,9 @@ class Fetcher:
         await self.catalog.put_entry(entry)
         self.index.put(entry)
 
-    async def _store_body(self, miss: Miss, fetched: Fetched, flight: _Flight) -> None:
+    async def _store_body(
+        self, miss: Miss, fetched: Fetched, flight: _Flight, held: HeldLease | None
+    ) -> None:
         spec = miss.spec
         assert fetched.body is not None
         expected = {name: value.lower() for name, value in fetched.expected.items()}
@@ -323,16 +380,24 @@ class Fetcher:
         download = Download(str(temp.path), fetched.content_type, fetched.length)
         flight.download = download
         upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=miss.repository)
+        streaming = False
 
         def progressed(written: int) -> None:
+            nonlocal streaming
             if download.error is not None:
                 return  # a write that finished after the fetch failed: nothing to offer
             download.advance_to(written)
             # Clients start on the first bytes when the length is known (they always get
             # a Content-Length), unless those bytes are the whole body: then verification
             # decides the answer (a clean 502 rather than a cut-off transfer).
-            if spec.stream and download.total is not None and written < download.total:
-                flight.settle(Streaming(download))
+            total = download.total
+            if spec.stream and not streaming and total is not None and written < total:
+                streaming = True
+                self._attach(flight, LocalFile(download))
+                if held is not None:
+                    # Other replicas' clients read the same file as it grows.
+                    stream = StreamInfo(temp.path.name, download.content_type, total)
+                    self.tasks.spawn(f"announce:{spec.key}", held.announce_stream(stream))
 
         temp.on_progress = progressed
         try:
@@ -354,6 +419,7 @@ class Fetcher:
                         f"{spec.key}: upstream bytes have {name} {computed[name]}, "
                         f"the upstream lists {value}; nothing was stored"
                     )
+            download.verify()  # the last byte may go out now, before our fsync
             sha256 = await self.blobs.publish(temp)
         except BaseException as exc:
             temp.discard()
@@ -381,12 +447,29 @@ class Fetcher:
             # fails only the cache, which the next request retries.
             metrics.CATALOG_ERRORS.labels(operation="put_entry").inc()
             log.error("could not record repository=%s key=%s: %s", miss.repository, spec.key, exc)
-            download.finish(None, str(self.blobs.path(sha256)))
-            flight.settle(Streaming(download))
+            download.finish(None)
+            if flight.transfer is None:
+                blob = await SharedFile.open(
+                    self.blobs.path_str(sha256),
+                    download.content_type,
+                    temp.size,
+                    self.tasks.spawn,
+                    complete=True,
+                )
+                flight.transfer = Transfer(blob, self.tasks.spawn)
+            flight.transfer.finish(None, self.blobs.path_str(sha256))
+            flight.settle(Streaming(flight.transfer))
             return
         self.index.put(entry)
-        download.finish(entry, str(self.blobs.path(sha256)))
+        download.finish(entry)
+        if flight.transfer is not None:
+            flight.transfer.finish(entry, self.blobs.path_str(sha256))
         flight.settle(Stored(entry))
+
+
+def _is_plain_name(name: str) -> bool:
+    """A temp file's name as BlobStore makes them: nothing that could leave tmp/."""
+    return bool(_TEMP_NAME_RE.fullmatch(name))
 
 
 def _served(entry: Entry) -> Outcome:

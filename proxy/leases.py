@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from proxy import metrics
-from proxy.catalog import Catalog, Entry, LeaseGrant, LeaseRow
+from proxy.catalog import Catalog, Entry, LeaseGrant, LeaseRow, StreamInfo
 from proxy.clock import SYSTEM_CLOCK, Clock
 from proxy.exceptions import CatalogError
 from proxy.settings import LeaseSettings
@@ -58,6 +58,7 @@ class Verdict(enum.Enum):
     ENTRY = "entry"  # the holder stored the entry: serve it
     FAILED = "failed"  # the holder's upstream fetch failed: serve stale or fetch ourselves
     TAKEOVER = "takeover"  # released without an entry, or the holder stopped renewing
+    STREAM = "stream"  # the holder announced the file it is writing: serve it as it grows
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class WaitResult:
     verdict: Verdict
     entry: Entry | None = None
     fence: int | None = None
+    stream: StreamInfo | None = None
 
 
 class HeldLease:
@@ -132,6 +134,17 @@ class HeldLease:
                 return
             self._last_renewed = sent
             delay_s = interval_s
+
+    async def announce_stream(self, stream: StreamInfo) -> None:
+        """Tell waiting processes which file we are writing (best effort: without it
+        they still get the entry when we are done)."""
+        if self.lost or self.released:
+            return
+        try:
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                await self.coordinator.catalog.announce_stream(self.grant, stream)
+        except (CatalogError, TimeoutError) as exc:
+            log.warning("stream announcement failed key=%s: %s", self.grant.key, exc)
 
     async def release(self, state: str) -> None:
         """End the mandate with ``state``; a no-op if the lease was lost."""
@@ -208,8 +221,10 @@ class LeaseCoordinator:
         repository: str,
         key: str,
         find_entry: Callable[[], Awaitable[Entry | None]],
+        following: int | None = None,
     ) -> WaitResult:
-        """Wait, detached from any client, until the holder's outcome is known."""
+        """Wait, detached from any client, until the holder's outcome is known, or until
+        a holder other than ``following`` (a fence) announces the file it is writing."""
         lkey = lease_key(repository, key)
         started = self.clock.monotonic()
         outcome = "error"
@@ -218,7 +233,7 @@ class LeaseCoordinator:
                 wakeup = asyncio.Event()
                 self._wakeups.setdefault(lkey, set()).add(wakeup)
                 try:
-                    result = await self._look(lkey, find_entry)
+                    result = await self._look(lkey, find_entry, following)
                     if result is not None:
                         outcome = result.verdict.value
                         return result
@@ -240,7 +255,10 @@ class LeaseCoordinator:
             )
 
     async def _look(
-        self, lkey: str, find_entry: Callable[[], Awaitable[Entry | None]]
+        self,
+        lkey: str,
+        find_entry: Callable[[], Awaitable[Entry | None]],
+        following: int | None,
     ) -> WaitResult | None:
         entry = await find_entry()
         if entry is not None:
@@ -249,7 +267,11 @@ class LeaseCoordinator:
         if row is None:
             return WaitResult(Verdict.TAKEOVER)
         if row.state == "fetching":
-            return WaitResult(Verdict.TAKEOVER, fence=row.fence) if row.expired else None
+            if row.expired:
+                return WaitResult(Verdict.TAKEOVER, fence=row.fence)
+            if row.stream is not None and row.fence != following:
+                return WaitResult(Verdict.STREAM, fence=row.fence, stream=row.stream)
+            return None
         if row.state == "failed":
             return WaitResult(Verdict.FAILED, fence=row.fence)
         if row.state == "done":

@@ -18,7 +18,7 @@ from proxy import metrics
 from proxy.blobs import storage_error
 from proxy.blocking import run_blocking
 from proxy.catalog import Entry
-from proxy.download import SEND_CHUNK_BYTES, Download
+from proxy.download import SEND_CHUNK_BYTES
 from proxy.http_semantics import (
     etag_of,
     header_value_ok,
@@ -29,6 +29,7 @@ from proxy.http_semantics import (
     not_modified_since,
     parse_range,
 )
+from proxy.transfer import Transfer
 from proxy.types import Kind, Receive, Scope, Send
 
 log = logging.getLogger("proxy.responses")
@@ -135,7 +136,7 @@ class FileResponse:
 class DownloadResponse:
     """A body still arriving from upstream; a failed fetch ends it short."""
 
-    def __init__(self, headers: Headers, download: Download, repository: str, head: bool) -> None:
+    def __init__(self, headers: Headers, download: Transfer, repository: str, head: bool) -> None:
         self.headers = headers
         self.download = download
         self.repository = repository
@@ -291,7 +292,7 @@ def _read_file(path: str) -> bytes:
 
 def downloading(
     method: str,
-    download: Download,
+    download: Transfer,
     extra: Mapping[str, str],
     repository: str,
     cache_control_value: bytes,

@@ -34,6 +34,7 @@ from contextlib import asynccontextmanager
 from email.utils import parsedate_to_datetime
 from urllib.parse import urljoin, urlsplit
 
+import httpcore
 import httpx
 
 from proxy import __version__, metrics
@@ -56,6 +57,15 @@ MAX_REDIRECTS = 10
 # past this, readers wait for each other instead of growing the process.
 BUFFERED_BODIES_MAX_BYTES = 256 * 1024 * 1024
 USER_AGENT = f"artifact-proxy/{__version__}"
+
+
+# httpcore reads an HTTP/1.1 body 64 KiB at a time, and every read costs a timeout scope
+# and a trip through h11, httpcore and httpx: a fast upstream is then limited by the
+# number of reads, not by bytes. Reads of up to 1 MiB take what the socket already holds
+# (a slow upstream still arrives in small pieces, as soon as it is there).
+UPSTREAM_READ_BYTES = 1024 * 1024
+if hasattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES"):
+    httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = UPSTREAM_READ_BYTES
 
 
 def build_client(settings: UpstreamSettings) -> httpx.AsyncClient:

@@ -69,6 +69,16 @@ class LeaseGrant:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamInfo:
+    """What a lease holder announced of the download it is writing: the temp file's name
+    on the shared volume, and the answer's type and length."""
+
+    file: str
+    content_type: str | None
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseRow:
     """A lease as the database sees it; ``expired`` is judged by the database's clock."""
 
@@ -77,6 +87,7 @@ class LeaseRow:
     fence: int
     state: str
     expired: bool
+    stream: StreamInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +221,10 @@ class Catalog(Protocol):
         Matches key+holder+fence+'fetching' only, so a late release of an older mandate
         changes nothing. Never deletes the row: the fence must survive.
         """
+        ...
+
+    async def announce_stream(self, grant: LeaseGrant, stream: StreamInfo) -> bool:
+        """Tell waiters which temp file our mandate is writing (only while it is ours)."""
         ...
 
     async def get_lease(self, key: str) -> LeaseRow | None: ...

@@ -21,6 +21,7 @@ from proxy.catalog import (
     LeaseRow,
     Removed,
     StorageUsage,
+    StreamInfo,
     Usage,
     entry_from_row,
     entry_to_row,
@@ -166,12 +167,30 @@ class SqlCatalog:
         touched = await self._execute("release_lease", grant.key, grant.holder, grant.fence, state)
         return touched == 1
 
+    async def announce_stream(self, grant: LeaseGrant, stream: StreamInfo) -> bool:
+        touched = await self._execute(
+            "announce_stream",
+            grant.key,
+            grant.holder,
+            grant.fence,
+            stream.file,
+            stream.content_type,
+            stream.length,
+        )
+        return touched == 1
+
     async def get_lease(self, key: str) -> LeaseRow | None:
         row = await self._fetchrow("select_lease", key)
         if row is None:
             return None
+        stream = StreamInfo(row[5], row[6], int(row[7])) if row[5] and row[7] is not None else None
         return LeaseRow(
-            key=row[0], holder=row[1], fence=int(row[2]), state=row[3], expired=bool(row[4])
+            key=row[0],
+            holder=row[1],
+            fence=int(row[2]),
+            state=row[3],
+            expired=bool(row[4]),
+            stream=stream,
         )
 
     async def purge_leases(self, retention_s: float) -> int:

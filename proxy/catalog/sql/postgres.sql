@@ -153,7 +153,8 @@ VALUES ($1, $2, nextval('fetch_lease_fence'), 'fetching',
 ON CONFLICT (key) DO UPDATE SET
     holder = EXCLUDED.holder, fence = EXCLUDED.fence, state = 'fetching',
     acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
-    expires_at = EXCLUDED.expires_at
+    expires_at = EXCLUDED.expires_at,
+    stream_file = NULL, stream_type = NULL, stream_length = NULL
 WHERE l.holder = EXCLUDED.holder OR l.state <> 'fetching' OR l.expires_at <= clock_timestamp()
 RETURNING fence
 
@@ -168,8 +169,16 @@ WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
 UPDATE fetch_leases SET state = $4, expires_at = greatest(clock_timestamp(), acquired_at)
 WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
 
+-- name: announce_stream
+-- ($1 key, $2 holder, $3 fence, $4 temp file name, $5 content type, $6 length): only our
+-- own live mandate; the trigger wakes the waiters.
+UPDATE fetch_leases SET stream_file = $4, stream_type = $5, stream_length = $6
+WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
+
 -- name: select_lease
-SELECT key, holder, fence, state, expires_at <= clock_timestamp() FROM fetch_leases WHERE key = $1
+SELECT key, holder, fence, state, expires_at <= clock_timestamp(),
+       stream_file, stream_type, stream_length
+FROM fetch_leases WHERE key = $1
 
 -- name: purge_leases
 DELETE FROM fetch_leases WHERE expires_at < clock_timestamp() - make_interval(secs => $1)

@@ -145,7 +145,8 @@ VALUES (?1, ?2, (SELECT max(id) FROM lease_fences), 'fetching',
 ON CONFLICT (key) DO UPDATE SET
     holder = excluded.holder, fence = excluded.fence, state = 'fetching',
     acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at,
-    expires_at = excluded.expires_at
+    expires_at = excluded.expires_at,
+    stream_file = NULL, stream_type = NULL, stream_length = NULL
 WHERE fetch_leases.holder = excluded.holder
    OR fetch_leases.state <> 'fetching'
    OR fetch_leases.expires_at <= clock_ms()
@@ -161,8 +162,16 @@ WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
 UPDATE fetch_leases SET state = ?4, expires_at = max(clock_ms(), acquired_at)
 WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
 
+-- name: announce_stream
+-- (?1 key, ?2 holder, ?3 fence, ?4 temp file name, ?5 content type, ?6 length): only our
+-- own live mandate.
+UPDATE fetch_leases SET stream_file = ?4, stream_type = ?5, stream_length = ?6
+WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
+
 -- name: select_lease
-SELECT key, holder, fence, state, expires_at <= clock_ms() FROM fetch_leases WHERE key = ?1
+SELECT key, holder, fence, state, expires_at <= clock_ms(),
+       stream_file, stream_type, stream_length
+FROM fetch_leases WHERE key = ?1
 
 -- name: purge_leases
 DELETE FROM fetch_leases WHERE expires_at < clock_ms() - CAST(?1 * 1000 AS INTEGER)

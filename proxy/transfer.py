@@ -1,0 +1,413 @@
+"""A body as this process's clients read it while it is downloaded, here or by another
+replica, even when the downloader changes (docs/architecture.md, "Streaming across
+replicas").
+
+A ``Transfer`` reads from one source at a time:
+
+- ``LocalFile``: our own download (``download.Download``), followed through its
+  announcements;
+- ``SharedFile``: the temp file another replica is writing on the shared volume (its
+  lease row named it), followed by looking at the file's size every few milliseconds.
+
+Every source holds back its last byte until the body is verified: ours when our own
+checks pass; another replica's when its entry is recorded and its blob is the very file
+we read (same inode). A client therefore never receives a complete body that is wrong.
+
+When the downloader dies, its readers wait (``lost``); when a new download starts
+(``replace``), the bytes our clients were already given are compared with the new
+download's first bytes (sha256 of the prefix) before anyone continues. If they differ,
+every client is cut: two different byte streams are never spliced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Protocol
+
+from proxy.blocking import run_blocking
+from proxy.catalog import Entry
+from proxy.download import SEND_CHUNK_BYTES, Download
+from proxy.exceptions import UpstreamUnavailable
+
+log = logging.getLogger("proxy.transfer")
+
+SHARED_POLL_S = 0.01  # how often a shared file's size is looked at while readers wait
+DIGEST_READ_BYTES = 1024 * 1024
+
+Spawn = Callable[[str, Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+class BodyChanged(UpstreamUnavailable):
+    """The new download does not begin with the bytes already sent: clients are cut."""
+
+
+class Source(Protocol):
+    content_type: str | None
+    total: int
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the source cannot go on (a local download's failure), if it cannot."""
+        ...
+
+    def readable(self) -> int:
+        """How many bytes from the start may be read now."""
+        ...
+
+    def complete(self) -> bool:
+        """Every byte may be read (the body is verified)."""
+        ...
+
+    def subscribe(self, listener: Callable[[], None]) -> None: ...
+
+    async def read(self, offset: int, size: int) -> bytes: ...
+
+    def prefix_digest(self, length: int) -> str:
+        """sha256 of the first ``length`` bytes (blocking: run it in a thread)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _digest(fd: int, length: int) -> str:
+    hasher = hashlib.sha256()
+    offset = 0
+    while offset < length:
+        data = os.pread(fd, min(DIGEST_READ_BYTES, length - offset), offset)
+        if not data:
+            raise OSError(f"the file ended at {offset} of {length} bytes")
+        hasher.update(data)
+        offset += len(data)
+    return hasher.hexdigest()
+
+
+class LocalFile:
+    """Our own download, read through a descriptor of our own."""
+
+    def __init__(self, download: Download) -> None:
+        assert download.total is not None, "only a body of known length is streamed"
+        self.download = download
+        self.content_type = download.content_type
+        self.total = download.total
+        self._fd: int | None = os.open(download.path, os.O_RDONLY)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.download.error
+
+    def readable(self) -> int:
+        written = self.download.written
+        return written if self.download.verified else max(0, written - 1)
+
+    def complete(self) -> bool:
+        return self.download.verified
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self.download.subscribe(listener)
+
+    async def read(self, offset: int, size: int) -> bytes:
+        assert self._fd is not None
+        # Just written, so in the page cache: a read here is cheaper than a hop to a
+        # thread (this runs once per chunk per client).
+        return os.pread(self._fd, size, offset)
+
+    def prefix_digest(self, length: int) -> str:
+        assert self._fd is not None
+        return _digest(self._fd, length)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class SharedFile:
+    """A file on the shared volume: another replica's download in progress (its size is
+    watched), or a published blob (complete from the start)."""
+
+    def __init__(
+        self, path: str, content_type: str | None, total: int, spawn: Spawn, complete: bool
+    ) -> None:
+        self.path = path
+        self.content_type = content_type
+        self.total = total
+        self.error: BaseException | None = None
+        self._fd: int | None = os.open(path, os.O_RDONLY)  # FileNotFoundError: gone already
+        self._size = total if complete else 0
+        self._complete = complete
+        self._listeners: list[Callable[[], None]] = []
+        self._watcher = None if complete else spawn(f"shared-file:{path}", self._watch())
+
+    @classmethod
+    async def open(
+        cls, path: str, content_type: str | None, total: int, spawn: Spawn, complete: bool
+    ) -> SharedFile:
+        def opened() -> SharedFile:
+            return cls(path, content_type, total, spawn, complete)
+
+        # The shared volume may be a network file system: open it off the event loop.
+        if complete:
+            return await run_blocking(opened)
+        return opened()  # the watcher task must be spawned on the loop thread
+
+    def readable(self) -> int:
+        return self.total if self._complete else max(0, min(self._size, self.total) - 1)
+
+    def complete(self) -> bool:
+        return self._complete
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    async def read(self, offset: int, size: int) -> bytes:
+        fd = self._fd
+        if fd is None:
+            raise UpstreamUnavailable("the shared download was closed")
+        return await run_blocking(os.pread, fd, size, offset)
+
+    def prefix_digest(self, length: int) -> str:
+        assert self._fd is not None
+        return _digest(self._fd, length)
+
+    async def is_file(self, path: str) -> bool:
+        """Is ``path`` (a published blob) the very file we have been reading?"""
+        fd = self._fd
+        if fd is None:
+            return False
+
+        def same() -> bool:
+            ours, theirs = os.fstat(fd), os.stat(path)
+            return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+        try:
+            return await run_blocking(same)
+        except OSError:
+            return False
+
+    def mark_complete(self) -> None:
+        self._complete = True
+        self._size = self.total
+        self._announce()
+
+    async def _watch(self) -> None:
+        while not self._complete and self._fd is not None:
+            fd = self._fd
+            try:
+                size = (await run_blocking(os.fstat, fd)).st_size
+            except OSError as exc:
+                self.error = exc
+                self._announce()
+                return
+            if size > self._size:
+                self._size = size
+                self._announce()
+            await asyncio.sleep(SHARED_POLL_S)
+
+    def _announce(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class Transfer:
+    """One body for this process's clients, whichever source it currently comes from."""
+
+    def __init__(self, source: Source, spawn: Spawn) -> None:
+        self.content_type = source.content_type
+        self.total = source.total
+        self.error: BaseException | None = None
+        self.entry: Entry | None = None
+        self._spawn = spawn
+        self._source: Source | None = source
+        self._blob_path: str | None = None  # where the body lives once it is stored
+        self._readers = 0
+        self._waiting_for_source = False
+        self._served = 0  # the most bytes any client has been given
+        self._changed = asyncio.Event()
+        self._done = asyncio.Event()
+        self._switch_lock = asyncio.Lock()
+        self._switch: asyncio.Task[None] | None = None
+        source.subscribe(self._announce)
+
+    # -- the fetcher's side ------------------------------------------------------------
+
+    def lost(self) -> None:
+        """The downloader is gone: readers wait for ``replace`` (or ``fail``)."""
+        self._waiting_for_source = True
+        self._announce()
+
+    def replace(self, source: Source) -> None:
+        """Continue from ``source`` once its first bytes are proven the ones already sent."""
+        self._waiting_for_source = True
+        if self._switch is not None:
+            self._switch.cancel()
+        self._switch = self._spawn("transfer-switch", self._switch_to(source))
+
+    async def adopt_blob(self, entry: Entry, blob_path: str) -> None:
+        """Another replica stored the body: release the rest from the very file we read,
+        or continue from the blob once it is proven to start with what we sent."""
+        source = self._source
+        if source is None:
+            return
+        if (
+            isinstance(source, SharedFile)
+            and not self._waiting_for_source
+            and await source.is_file(blob_path)
+        ):
+            source.mark_complete()
+        else:
+            try:
+                blob = await SharedFile.open(
+                    blob_path, self.content_type, entry.size, self._spawn, complete=True
+                )
+            except OSError as exc:
+                self.fail(UpstreamUnavailable(f"the stored body cannot be read: {exc}"))
+                return
+            self.replace(blob)
+        self.finish(entry, blob_path)
+
+    def finish(self, entry: Entry | None, blob_path: str | None) -> None:
+        """The body is stored at ``blob_path`` (``entry`` None: not recorded)."""
+        self.entry = entry
+        self._blob_path = blob_path
+        self._done.set()
+        self._announce()
+        self._maybe_close()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+            self._done.set()
+            self._announce()
+            self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        """Close the source once nobody reads it and nothing more will come of it: a
+        failed download's file, though unlinked, holds its disk space while it is open.
+        A stored body is reopened from its blob for a reader that comes later."""
+        if (
+            self._readers == 0
+            and self._done.is_set()
+            and self._source is not None
+            and (self._switch is None or self._switch.done())
+        ):
+            self._source.close()
+            self._source = None
+
+    # -- the readers' side ---------------------------------------------------------------
+
+    async def result(self) -> Entry | None:
+        """The stored entry when the body is complete (None if it could not be recorded)."""
+        await self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.entry
+
+    async def chunks(self, start: int = 0) -> AsyncIterator[bytes]:
+        """The body from ``start`` as it arrives; raises if it cannot be completed."""
+        self._readers += 1
+        try:
+            async for data in self._read_from(start):
+                yield data
+        finally:
+            self._readers -= 1
+            self._maybe_close()
+
+    async def _read_from(self, start: int) -> AsyncIterator[bytes]:
+        offset = start
+        while True:
+            changed = self._changed
+            if self.error is not None:
+                raise self.error
+            if self._source is None:
+                await self._reopen()
+            source = self._source
+            assert source is not None
+            if not self._waiting_for_source:
+                if source.error is not None:
+                    raise source.error
+                readable = source.readable()
+                if offset < readable:
+                    data = await source.read(offset, min(readable - offset, SEND_CHUNK_BYTES))
+                    if source is not self._source or self._waiting_for_source:
+                        continue  # the source changed during the read: not proven, not sent
+                    if not data:
+                        raise UpstreamUnavailable(f"the body file ended at {offset} bytes")
+                    offset += len(data)
+                    self._served = max(self._served, offset)
+                    yield data
+                    continue
+                if source.complete() and offset >= self.total:
+                    return
+            await changed.wait()
+
+    # -- internals -----------------------------------------------------------------------
+
+    async def _reopen(self) -> None:
+        if self._blob_path is None:
+            raise UpstreamUnavailable("the download ended before this reader started")
+        self._source = await SharedFile.open(
+            self._blob_path, self.content_type, self.total, self._spawn, complete=True
+        )
+
+    def _announce(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _switch_to(self, new: Source) -> None:
+        async with self._switch_lock:
+            try:
+                await self._prove(new)
+            except asyncio.CancelledError:
+                new.close()  # replaced by a newer source
+                raise
+            except Exception as exc:
+                new.close()
+                log.warning("%s", exc)
+                self.fail(exc)
+                return
+            old, self._source = self._source, new
+            new.subscribe(self._announce)
+            if old is not None:
+                old.close()
+            self._waiting_for_source = False
+            self._announce()
+
+    async def _prove(self, new: Source) -> None:
+        if new.total != self.total:
+            raise BodyChanged(
+                f"the body is now {new.total} bytes, not {self.total}: the clients that had "
+                "part of it are cut"
+            )
+        needed = self._served
+        progressed = asyncio.Event()
+        new.subscribe(progressed.set)
+        while new.readable() < needed and not new.complete():
+            if new.error is not None:
+                raise new.error
+            if self.error is not None:
+                raise self.error
+            progressed.clear()
+            await progressed.wait()
+        if needed:
+            old = self._source
+            if old is None:
+                raise BodyChanged("the bytes already sent can no longer be compared")
+            sent = await run_blocking(old.prefix_digest, needed)
+            fresh = await run_blocking(new.prefix_digest, needed)
+            if sent != fresh:
+                raise BodyChanged(
+                    f"the new download does not begin with the {needed} bytes already sent "
+                    "(the upstream changed the file): the clients that had them are cut"
+                )
