@@ -96,21 +96,29 @@ class _Flight:
     """One fetch of one key in this process, and the requests waiting on it."""
 
     def __init__(self) -> None:
-        self.first: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self.answer: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self.download: Download | None = None  # ours, when we download it
         self.transfer: Transfer | None = None  # what our clients read, once streaming
 
     def settle(self, outcome: Outcome) -> None:
-        if not self.first.done():
-            self.first.set_result(outcome)
+        if not self.answer.done():
+            self.answer.set_result(outcome)
+
+    def stream(self, transfer: Transfer) -> None:
+        """Requests from now on read ``transfer``: the first one, or the successor that
+        carries a changed body on (those before it were cut)."""
+        self.transfer = transfer
+        if self.answer.done():
+            self.answer = asyncio.get_running_loop().create_future()
+        self.answer.set_result(Streaming(transfer))
 
     def settle_error(self, exc: BaseException) -> None:
         if self.download is not None:
             self.download.fail(exc)
         if self.transfer is not None:
             self.transfer.fail(exc)
-        if not self.first.done():
-            self.first.set_exception(exc)
+        if not self.answer.done():
+            self.answer.set_exception(exc)
 
 
 class Fetcher:
@@ -146,7 +154,7 @@ class Fetcher:
                 f"fetch:{miss.repository}/{miss.key}", self._run(miss, stale, flight, flight_key)
             )
         # shield: a client that leaves cancels its own wait, not the shared future.
-        return await asyncio.shield(flight.first)
+        return await asyncio.shield(flight.answer)
 
     async def _run(
         self, miss: Miss, stale: Entry | None, flight: _Flight, flight_key: tuple[str, str]
@@ -266,8 +274,7 @@ class Fetcher:
         """Give our clients ``source``: the first one starts their answers; a later one
         takes over from a source that was lost, once proven to start the same way."""
         if flight.transfer is None:
-            flight.transfer = Transfer(source, self.tasks.spawn)
-            flight.settle(Streaming(flight.transfer))
+            flight.stream(Transfer(source, self.tasks.spawn, on_changed=flight.stream))
         else:
             flight.transfer.replace(source)
 

@@ -223,7 +223,12 @@ class SharedFile:
 class Transfer:
     """One body for this process's clients, whichever source it currently comes from."""
 
-    def __init__(self, source: Source, spawn: Spawn) -> None:
+    def __init__(
+        self,
+        source: Source,
+        spawn: Spawn,
+        on_changed: Callable[[Transfer], None] | None = None,
+    ) -> None:
         self.content_type = source.content_type
         self.total = source.total
         self.error: BaseException | None = None
@@ -238,6 +243,8 @@ class Transfer:
         self._done = asyncio.Event()
         self._switch_lock = asyncio.Lock()
         self._switch: asyncio.Task[None] | None = None
+        # Told of the transfer that carries a changed body on for clients that come later.
+        self._on_changed = on_changed
         source.subscribe(self._announce)
 
     # -- the fetcher's side ------------------------------------------------------------
@@ -372,6 +379,11 @@ class Transfer:
             except asyncio.CancelledError:
                 new.close()  # replaced by a newer source
                 raise
+            except BodyChanged as exc:
+                log.warning("%s", exc)
+                self._hand_on(new)
+                self.fail(exc)
+                return
             except Exception as exc:
                 new.close()
                 log.warning("%s", exc)
@@ -383,6 +395,17 @@ class Transfer:
                 old.close()
             self._waiting_for_source = False
             self._announce()
+
+    def _hand_on(self, new: Source) -> None:
+        """Our clients are cut (they had headers, maybe bytes, of the old body), but the
+        new body is sound: a successor transfer serves it to the clients that come later."""
+        if self._on_changed is None:
+            new.close()
+            return
+        successor = Transfer(new, self._spawn, self._on_changed)
+        if self._done.is_set() and self.error is None:
+            successor.finish(self.entry, self._blob_path)
+        self._on_changed(successor)
 
     async def _prove(self, new: Source) -> None:
         if new.total != self.total:

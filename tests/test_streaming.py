@@ -1,0 +1,204 @@
+"""Streaming across replicas (proxy/transfer.py; docs/architecture.md, "Streaming across
+replicas"), with real `proxy serve` processes on one Postgres and one shared folder.
+
+Clients of a replica that waits on another's fetch lease get bytes as soon as the
+holder has them; when the holder dies, they continue from the next download only if it
+begins with the bytes they already have, and are cut otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import write_config
+from tests.processes import ProxyProcess
+from tests.test_fleet import wait_for_holder
+from tests.upstream import FakeUpstream
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+MiB = 1024 * 1024
+PATH = "/releases/tool-1.0.tar.gz"
+KEY = "tools/tool-1.0.tar.gz"
+
+
+def fleet_config(tmp_path: Path, db_url: str, upstream: str, ttl: str = "2s") -> Path:
+    return write_config(
+        tmp_path,
+        f"""
+        [database]
+        url = "{db_url}"
+        [storage]
+        path = "{tmp_path / "shared"}"
+        [upstream]
+        connect_timeout = "2s"
+        read_timeout = "10s"
+        retries = 0
+        [leases]
+        ttl = "{ttl}"
+        poll_interval = "250ms"
+        [[repositories]]
+        name = "tools"
+        format = "raw"
+        upstream = "{upstream}/releases/"
+        """,
+    )
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[list[ProxyProcess]]:
+    started: list[ProxyProcess] = []
+    yield started
+    for replica in started:
+        replica.stop()
+
+
+def start(
+    started: list[ProxyProcess], config: Path, tmp_path: Path, count: int
+) -> list[ProxyProcess]:
+    new = [ProxyProcess(config, tmp_path, f"r{len(started) + i}") for i in range(count)]
+    for replica in new:
+        replica.start()
+    for replica in new:
+        replica.wait_ready()
+    started += new
+    return new
+
+
+async def pull(url: str, started_at: float) -> Result:
+    """(status, sha256, length, time to first byte, time to last byte, error) of one client."""
+    hasher, length, first = hashlib.sha256(), 0, 0.0
+    try:
+        async with httpx.AsyncClient(timeout=60) as client, client.stream("GET", url) as r:
+            async for chunk in r.aiter_bytes():
+                if not first:
+                    first = time.monotonic() - started_at
+                hasher.update(chunk)
+                length += len(chunk)
+            return (
+                r.status_code,
+                hasher.hexdigest(),
+                length,
+                first,
+                time.monotonic() - started_at,
+                "",
+            )
+    except httpx.HTTPError as exc:
+        return 0, hasher.hexdigest(), length, first, time.monotonic() - started_at, repr(exc)
+
+
+Result = tuple[int, str, int, float, float, str]
+
+
+async def holder_then_waiters(
+    holder: ProxyProcess,
+    waiters: list[ProxyProcess],
+    pg_url: str,
+    clients_per_waiter: int,
+    meanwhile: Callable[[], Awaitable[None]] | None = None,
+) -> list[Result]:
+    """One client on the holder; once it holds the lease, ``clients_per_waiter`` on each
+    other replica; then ``meanwhile`` runs while they read. The holder's result first."""
+    started_at = time.monotonic()
+    url = "/tools/tool-1.0.tar.gz"
+    clients = [asyncio.create_task(pull(holder.url + url, started_at))]
+    await asyncio.to_thread(wait_for_holder, pg_url, KEY)
+    for waiter in waiters:
+        clients += [
+            asyncio.create_task(pull(waiter.url + url, started_at))
+            for _ in range(clients_per_waiter)
+        ]
+    if meanwhile is not None:
+        await meanwhile()
+    return list(await asyncio.gather(*clients))
+
+
+def test_waiting_replicas_stream_from_the_holders_first_bytes(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, replicas: list[ProxyProcess]
+) -> None:
+    body = os.urandom(6 * MiB)
+    upstream.files[PATH] = body
+    upstream.fault(PATH, chunk_size=256 * 1024, chunk_delay_s=0.1)  # ~2.5 MB/s: ~2.4 s
+    holder, *waiters = start(
+        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
+    )
+
+    results = asyncio.run(holder_then_waiters(holder, waiters, pg_url, 5))
+    expected = hashlib.sha256(body).hexdigest()
+    assert [(r[0], r[1], r[2]) for r in results] == [(200, expected, len(body))] * 11, results
+    holder_done = results[0][4]
+    for _status, _digest, _length, ttfb, _ttlb, _error in results[1:]:
+        # The first byte came while the holder was still downloading, not after it.
+        assert ttfb < holder_done / 2, (
+            f"first byte after {ttfb:.2f} s of a {holder_done:.2f} s download"
+        )
+    assert upstream.count(PATH) == 1
+    waits = sum(w.metric("proxy_fetch_lease_waits_total", repository="tools") for w in waiters)
+    assert waits >= 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_clients_on_other_replicas_continue_when_the_holder_dies(
+    tmp_path: Path,
+    pg_url: str,
+    upstream: FakeUpstream,
+    replicas: list[ProxyProcess],
+    sig: signal.Signals,
+) -> None:
+    body = os.urandom(8 * MiB)
+    upstream.files[PATH] = body
+    upstream.fault(PATH, chunk_size=256 * 1024, chunk_delay_s=0.1)
+    holder, *waiters = start(
+        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
+    )
+
+    async def kill_holder() -> None:
+        await asyncio.sleep(1.2)  # every client has part of the body
+        holder.signal(sig)
+
+    results = asyncio.run(holder_then_waiters(holder, waiters, pg_url, 3, kill_holder))[1:]
+    expected = hashlib.sha256(body).hexdigest()
+    assert [(r[0], r[1], r[2]) for r in results] == [(200, expected, len(body))] * 6, results
+    assert all(r[3] < 1.2 for r in results), "they had bytes before the holder died"
+    assert upstream.count(PATH) == 2  # the second download, by the replica that took over
+    log = "".join(w.log() for w in waiters)
+    assert "lease takeover" in log and "Traceback" not in log
+
+
+def test_a_changed_body_cuts_the_clients_instead_of_splicing(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, replicas: list[ProxyProcess]
+) -> None:
+    first_body = os.urandom(8 * MiB)
+    second_body = os.urandom(8 * MiB)  # same length, other bytes: the upstream changed it
+    upstream.files[PATH] = first_body
+    upstream.fault(PATH, chunk_size=256 * 1024, chunk_delay_s=0.1)
+    holder, *waiters = start(
+        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
+    )
+
+    async def change_and_kill() -> None:
+        await asyncio.sleep(1.2)
+        upstream.files[PATH] = second_body
+        holder.signal(signal.SIGKILL)
+
+    results = asyncio.run(holder_then_waiters(holder, waiters, pg_url, 3, change_and_kill))[1:]
+    for status, _digest, length, _ttfb, _ttlb, error in results:
+        assert length < len(first_body), "a complete body was delivered across two downloads"
+        assert status == 0 and error, "the client was cut"
+    # A client that comes now (the new download is still running: the cut came with its
+    # first bytes) reads the new body whole, from that same download.
+    for waiter in waiters:
+        fresh = httpx.get(waiter.url + "/tools/tool-1.0.tar.gz", timeout=60)
+        assert fresh.status_code == 200 and fresh.content == second_body
+    assert upstream.count(PATH) == 2
+    log = "".join(w.log() for w in waiters)
+    assert "does not begin with the" in log
