@@ -14,15 +14,17 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import asyncpg
 import httpx
 import pytest
 
 from tests.conftest import write_config
 from tests.processes import ProxyProcess
 from tests.test_fleet import wait_for_holder
-from tests.upstream import FakeUpstream
+from tests.upstream import FakeUpstream, ProjectFile
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -50,6 +52,10 @@ def fleet_config(tmp_path: Path, db_url: str, upstream: str, ttl: str = "2s") ->
         name = "tools"
         format = "raw"
         upstream = "{upstream}/releases/"
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "{upstream}/simple/"
         """,
     )
 
@@ -74,29 +80,36 @@ def start(
     return new
 
 
-async def pull(url: str, started_at: float) -> Result:
-    """(status, sha256, length, time to first byte, time to last byte, error) of one client."""
-    hasher, length, first = hashlib.sha256(), 0, 0.0
+@dataclass
+class Pulled:
+    """What one client got."""
+
+    status: int
+    sha256: str
+    length: int
+    ttfb: float  # seconds from the scenario's start to the first body byte
+    ttlb: float  # ... to the last byte, or to the cut
+    error: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+async def pull(url: str, started_at: float) -> Pulled:
+    hasher, length, first, status, headers = hashlib.sha256(), 0, 0.0, 0, {}
     try:
         async with httpx.AsyncClient(timeout=60) as client, client.stream("GET", url) as r:
+            status, headers = r.status_code, dict(r.headers)
             async for chunk in r.aiter_bytes():
                 if not first:
                     first = time.monotonic() - started_at
                 hasher.update(chunk)
                 length += len(chunk)
-            return (
-                r.status_code,
-                hasher.hexdigest(),
-                length,
-                first,
-                time.monotonic() - started_at,
-                "",
-            )
     except httpx.HTTPError as exc:
-        return 0, hasher.hexdigest(), length, first, time.monotonic() - started_at, repr(exc)
-
-
-Result = tuple[int, str, int, float, float, str]
+        return Pulled(
+            0, hasher.hexdigest(), length, first, time.monotonic() - started_at, repr(exc)
+        )
+    return Pulled(
+        status, hasher.hexdigest(), length, first, time.monotonic() - started_at, "", headers
+    )
 
 
 async def holder_then_waiters(
@@ -105,13 +118,14 @@ async def holder_then_waiters(
     pg_url: str,
     clients_per_waiter: int,
     meanwhile: Callable[[], Awaitable[None]] | None = None,
-) -> list[Result]:
+    url: str = "/tools/tool-1.0.tar.gz",
+    key: str = KEY,
+) -> list[Pulled]:
     """One client on the holder; once it holds the lease, ``clients_per_waiter`` on each
     other replica; then ``meanwhile`` runs while they read. The holder's result first."""
     started_at = time.monotonic()
-    url = "/tools/tool-1.0.tar.gz"
     clients = [asyncio.create_task(pull(holder.url + url, started_at))]
-    await asyncio.to_thread(wait_for_holder, pg_url, KEY)
+    await asyncio.to_thread(wait_for_holder, pg_url, key)
     for waiter in waiters:
         clients += [
             asyncio.create_task(pull(waiter.url + url, started_at))
@@ -134,12 +148,16 @@ def test_waiting_replicas_stream_from_the_holders_first_bytes(
 
     results = asyncio.run(holder_then_waiters(holder, waiters, pg_url, 5))
     expected = hashlib.sha256(body).hexdigest()
-    assert [(r[0], r[1], r[2]) for r in results] == [(200, expected, len(body))] * 11, results
-    holder_done = results[0][4]
-    for _status, _digest, _length, ttfb, _ttlb, _error in results[1:]:
-        # The first byte came while the holder was still downloading, not after it.
-        assert ttfb < holder_done / 2, (
-            f"first byte after {ttfb:.2f} s of a {holder_done:.2f} s download"
+    assert [(r.status, r.sha256, r.length) for r in results] == [(200, expected, len(body))] * 11
+    holding, *waiting = results
+    answer = {k: v for k, v in holding.headers.items() if k != "date"}
+    assert answer["content-length"] == str(len(body))
+    for r in waiting:
+        # The same answer as the holder's client, and the first byte came while the
+        # holder was still downloading, not after it.
+        assert {k: v for k, v in r.headers.items() if k != "date"} == answer
+        assert r.ttfb < holding.ttlb / 2, (
+            f"first byte after {r.ttfb:.2f} s of a {holding.ttlb:.2f} s download"
         )
     assert upstream.count(PATH) == 1
     waits = sum(w.metric("proxy_fetch_lease_waits_total", repository="tools") for w in waiters)
@@ -167,8 +185,8 @@ def test_clients_on_other_replicas_continue_when_the_holder_dies(
 
     results = asyncio.run(holder_then_waiters(holder, waiters, pg_url, 3, kill_holder))[1:]
     expected = hashlib.sha256(body).hexdigest()
-    assert [(r[0], r[1], r[2]) for r in results] == [(200, expected, len(body))] * 6, results
-    assert all(r[3] < 1.2 for r in results), "they had bytes before the holder died"
+    assert [(r.status, r.sha256, r.length) for r in results] == [(200, expected, len(body))] * 6
+    assert all(0 < r.ttfb < 1.2 for r in results), "they had bytes before the holder died"
     assert upstream.count(PATH) == 2  # the second download, by the replica that took over
     log = "".join(w.log() for w in waiters)
     assert "lease takeover" in log and "Traceback" not in log
@@ -191,9 +209,9 @@ def test_a_changed_body_cuts_the_clients_instead_of_splicing(
         holder.signal(signal.SIGKILL)
 
     results = asyncio.run(holder_then_waiters(holder, waiters, pg_url, 3, change_and_kill))[1:]
-    for status, _digest, length, _ttfb, _ttlb, error in results:
-        assert length < len(first_body), "a complete body was delivered across two downloads"
-        assert status == 0 and error, "the client was cut"
+    for r in results:
+        assert r.length < len(first_body), "a complete body was delivered across two downloads"
+        assert r.status == 0 and r.error, "the client was cut"
     # A client that comes now (the new download is still running: the cut came with its
     # first bytes) reads the new body whole, from that same download.
     for waiter in waiters:
@@ -202,3 +220,43 @@ def test_a_changed_body_cuts_the_clients_instead_of_splicing(
     assert upstream.count(PATH) == 2
     log = "".join(w.log() for w in waiters)
     assert "does not begin with the" in log
+
+
+def test_a_digest_mismatch_at_the_end_cuts_every_replicas_clients_and_stores_nothing(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, replicas: list[ProxyProcess]
+) -> None:
+    body = os.urandom(6 * MiB)
+    upstream.add_project("big", [ProjectFile("big-1.0.tar.gz", body, listed_sha256="0" * 64)])
+    upstream.fault("/packages/big-1.0.tar.gz", chunk_size=256 * 1024, chunk_delay_s=0.1)
+    holder, *waiters = start(
+        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
+    )
+    assert httpx.get(holder.url + "/pypi/simple/big/").status_code == 200
+
+    results = asyncio.run(
+        holder_then_waiters(
+            holder,
+            waiters,
+            pg_url,
+            3,
+            url="/pypi/files/big/big-1.0.tar.gz",
+            key="pypi/files/big/big-1.0.tar.gz",
+        )
+    )
+    for r in results:
+        assert r.length < len(body), "the last byte is never sent"
+        assert r.status == 0 and r.error
+        assert 0 < r.ttfb < r.ttlb / 2, "they were streaming"
+
+    async def stored() -> int:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            return await conn.fetchval(
+                "SELECT count(*) FROM entries WHERE key LIKE '%big-1.0.tar.gz'"
+            )
+        finally:
+            await conn.close()
+
+    assert asyncio.run(stored()) == 0
+    files = [p for p in (tmp_path / "shared").rglob("*") if p.is_file()]
+    assert [p for p in files if p.stat().st_size == len(body)] == [], "no blob, no temp file"
