@@ -10,6 +10,11 @@ and hostile clients").
   is disconnected before more is buffered (the parser would otherwise keep a header
   line of any length in memory).
 
+It also offers responses a zero-copy path (``SocketFileSender``, in the request scope's
+extensions as ``SENDFILE_EXTENSION``): bytes of a file go from the page cache to the
+client's socket with ``os.sendfile`` instead of being read into Python and written
+through the transport (docs/architecture.md, "Streaming across replicas").
+
 It is passed to uvicorn as ``Config(http=GuardedHttpToolsProtocol)``, uvicorn's way of
 choosing the protocol class.
 """
@@ -17,9 +22,11 @@ choosing the protocol class.
 from __future__ import annotations
 
 import asyncio
+import os
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+SENDFILE_EXTENSION = "proxy.sendfile"
 HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 32 * 1024
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
@@ -54,6 +61,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._cancel_head_timer()
         super().on_headers_complete()
+        # The app's task has been created, not run yet: it finds the sender in its scope.
+        if self.cycle is None or self.cycle.scope is not self.scope:
+            return  # an upgrade request: no cycle of its own
+        sender = SocketFileSender.of(self.transport, self.cycle)
+        if sender is not None:
+            extensions: dict[str, object] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
+            extensions[SENDFILE_EXTENSION] = sender
 
     def _begin_head(self) -> None:
         self._in_head = True
@@ -84,3 +98,49 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             % (status, _REASONS[status], len(body), body)
         )
         self.transport.close()
+
+
+class SocketFileSender:
+    """Writes a response body's next bytes from a file to the client's socket with
+    ``os.sendfile``, when that cannot disturb uvicorn's own writing: the head is sent,
+    the body has a Content-Length, and nothing is queued in the transport (so the bytes
+    go out in order). It never waits: a full socket means "0 sent", and the caller
+    writes that chunk the ordinary way, whose flow control then waits for the client.
+    Call it on the event loop only, with no await between a check and the call."""
+
+    def __init__(self, transport: asyncio.Transport, socket_fd: int, cycle: RequestResponseCycle):
+        self._transport = transport
+        self._socket_fd = socket_fd
+        self._cycle = cycle
+
+    @classmethod
+    def of(
+        cls, transport: asyncio.Transport, cycle: RequestResponseCycle
+    ) -> SocketFileSender | None:
+        sock = transport.get_extra_info("socket")
+        if sock is None or transport.get_extra_info("sslcontext") is not None:
+            return None
+        return cls(transport, sock.fileno(), cycle)
+
+    def try_send(self, fd: int, offset: int, count: int) -> int:
+        """Send up to ``count`` bytes of ``fd`` from ``offset``; how many went out."""
+        cycle = self._cycle
+        if (
+            not cycle.response_started
+            or cycle.response_complete
+            or cycle.disconnected
+            or cycle.chunked_encoding is not False  # no Content-Length: not ours to do
+            or self._transport.is_closing()
+            or self._transport.get_write_buffer_size()
+        ):
+            return 0
+        count = min(count, cycle.expected_content_length)
+        if count <= 0:
+            return 0
+        try:
+            sent = os.sendfile(self._socket_fd, fd, offset, count)
+        except OSError:
+            # Full (EAGAIN), or broken: the ordinary write path waits or finds out.
+            return 0
+        cycle.expected_content_length -= sent
+        return sent

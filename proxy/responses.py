@@ -12,13 +12,14 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 
 from proxy import metrics
 from proxy.blobs import storage_error
 from proxy.blocking import run_blocking
 from proxy.catalog import Entry
 from proxy.download import SEND_CHUNK_BYTES
+from proxy.http_protocol import SENDFILE_EXTENSION, SocketFileSender
 from proxy.http_semantics import (
     etag_of,
     header_value_ok,
@@ -149,18 +150,27 @@ class DownloadResponse:
             return
         disconnected = asyncio.Event()
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, disconnected))
-        sent = 0
-        chunks: AsyncIterator[bytes] = self.download.chunks()
+        sender: SocketFileSender | None = scope.get("extensions", {}).get(SENDFILE_EXTENSION)
+        reader = self.download.reader()
         try:
             while True:
                 await send(_WAIT_WRITABLE)
-                data = await anext(chunks, None)
-                if data is None:
+                span = await reader.next_span()
+                if span is None:
                     break
                 if disconnected.is_set():
                     return
-                sent += len(data)
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                fd = span.source.fd
+                if sender is not None and span.source.page_cached and fd is not None:
+                    # Straight from the page cache to the socket, while it takes bytes;
+                    # when it is full, one chunk goes the ordinary way and waits.
+                    sent = sender.try_send(fd, reader.offset, span.end - reader.offset)
+                    if sent:
+                        reader.sent(sent)
+                        continue
+                data = await reader.read(span, SEND_CHUNK_BYTES)
+                if data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         except Exception:
             # The fetch failed (already logged by the fetcher); returning without the
@@ -168,8 +178,8 @@ class DownloadResponse:
             return
         finally:
             watcher.cancel()
-            await chunks.aclose()  # type: ignore[attr-defined]
-            metrics.BYTES_SERVED.labels(repository=self.repository).inc(sent)
+            reader.close()
+            metrics.BYTES_SERVED.labels(repository=self.repository).inc(reader.offset)
 
 
 async def _watch_disconnect(receive: Receive, disconnected: asyncio.Event) -> None:

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.blocking import run_blocking
@@ -48,6 +49,14 @@ class BodyChanged(UpstreamUnavailable):
 class Source(Protocol):
     content_type: str | None
     total: int
+    # Its bytes are in this host's page cache (our own download, just written): they may
+    # be sent with sendfile on the event loop without waiting on a disk or a network.
+    page_cached: bool
+
+    @property
+    def fd(self) -> int | None:
+        """The open file, or None once closed."""
+        ...
 
     @property
     def error(self) -> BaseException | None:
@@ -88,6 +97,8 @@ def _digest(fd: int, length: int) -> str:
 class LocalFile:
     """Our own download, read through a descriptor of our own."""
 
+    page_cached = True
+
     def __init__(self, download: Download) -> None:
         assert download.total is not None, "only a body of known length is streamed"
         self.download = download
@@ -98,6 +109,10 @@ class LocalFile:
     @property
     def error(self) -> BaseException | None:
         return self.download.error
+
+    @property
+    def fd(self) -> int | None:
+        return self._fd
 
     def readable(self) -> int:
         written = self.download.written
@@ -129,6 +144,8 @@ class SharedFile:
     """A file on the shared volume: another replica's download in progress (its size is
     watched), or a published blob (complete from the start)."""
 
+    page_cached = False  # maybe a network file system: read in the I/O pool
+
     def __init__(
         self, path: str, content_type: str | None, total: int, spawn: Spawn, complete: bool
     ) -> None:
@@ -153,6 +170,10 @@ class SharedFile:
         if complete:
             return await run_blocking(opened)
         return opened()  # the watcher task must be spawned on the loop thread
+
+    @property
+    def fd(self) -> int | None:
+        return self._fd
 
     def readable(self) -> int:
         return self.total if self._complete else max(0, min(self._size, self.total) - 1)
@@ -314,6 +335,10 @@ class Transfer:
 
     # -- the readers' side ---------------------------------------------------------------
 
+    def verified(self) -> bool:
+        """Every byte is verified (what remains is storing it, if anything)."""
+        return self._done.is_set() or (self._source is not None and self._source.complete())
+
     async def result(self) -> Entry | None:
         """The stored entry when the body is complete (None if it could not be recorded)."""
         await self._done.wait()
@@ -321,18 +346,23 @@ class Transfer:
             raise self.error
         return self.entry
 
+    def reader(self, start: int = 0) -> Reader:
+        """A client's position in the body; close it when the client is done."""
+        self._readers += 1
+        return Reader(self, start)
+
     async def chunks(self, start: int = 0) -> AsyncIterator[bytes]:
         """The body from ``start`` as it arrives; raises if it cannot be completed."""
-        self._readers += 1
+        reader = self.reader(start)
         try:
-            async for data in self._read_from(start):
-                yield data
+            while (span := await reader.next_span()) is not None:
+                data = await reader.read(span, SEND_CHUNK_BYTES)
+                if data:
+                    yield data
         finally:
-            self._readers -= 1
-            self._maybe_close()
+            reader.close()
 
-    async def _read_from(self, start: int) -> AsyncIterator[bytes]:
-        offset = start
+    async def _span(self, offset: int) -> Span | None:
         while True:
             changed = self._changed
             if self.error is not None:
@@ -346,18 +376,21 @@ class Transfer:
                     raise source.error
                 readable = source.readable()
                 if offset < readable:
-                    data = await source.read(offset, min(readable - offset, SEND_CHUNK_BYTES))
-                    if source is not self._source or self._waiting_for_source:
-                        continue  # the source changed during the read: not proven, not sent
-                    if not data:
-                        raise UpstreamUnavailable(f"the body file ended at {offset} bytes")
-                    offset += len(data)
-                    self._served = max(self._served, offset)
-                    yield data
-                    continue
+                    return Span(source, offset, readable)
                 if source.complete() and offset >= self.total:
-                    return
+                    return None
             await changed.wait()
+
+    def _current(self, span: Span) -> bool:
+        """Is ``span``'s source still the proven one (so its bytes may be sent)?"""
+        return span.source is self._source and not self._waiting_for_source
+
+    def _served_to(self, offset: int) -> None:
+        self._served = max(self._served, offset)
+
+    def _reader_closed(self) -> None:
+        self._readers -= 1
+        self._maybe_close()
 
     # -- internals -----------------------------------------------------------------------
 
@@ -434,3 +467,49 @@ class Transfer:
                     f"the new download does not begin with the {needed} bytes already sent "
                     "(the upstream changed the file): the clients that had them are cut"
                 )
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes ``offset`` up to ``end`` of ``source`` may be sent now."""
+
+    source: Source
+    offset: int
+    end: int
+
+
+class Reader:
+    """One client's position in a transfer. ``next_span`` waits for sendable bytes; the
+    client either reads them (``read``) or sends them itself from the span's file
+    (``sent``, e.g. with sendfile, on the event loop with no await since ``next_span``,
+    so the source cannot have changed in between)."""
+
+    def __init__(self, transfer: Transfer, start: int) -> None:
+        self.transfer = transfer
+        self.offset = start
+        self._closed = False
+
+    async def next_span(self) -> Span | None:
+        """What may be sent from here, once there is some; None at the end of the body.
+        Raises if the body cannot be completed."""
+        return await self.transfer._span(self.offset)
+
+    async def read(self, span: Span, size: int) -> bytes:
+        """Up to ``size`` bytes of ``span``; empty if the source changed meanwhile (they
+        were not proven: ask for the next span)."""
+        data = await span.source.read(self.offset, min(size, span.end - self.offset))
+        if not self.transfer._current(span):
+            return b""
+        if not data:
+            raise UpstreamUnavailable(f"the body file ended at {self.offset} bytes")
+        self.sent(len(data))
+        return data
+
+    def sent(self, count: int) -> None:
+        self.offset += count
+        self.transfer._served_to(self.offset)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.transfer._reader_closed()

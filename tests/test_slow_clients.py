@@ -5,6 +5,7 @@ folder survives --workers."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -111,6 +112,62 @@ def test_clients_that_never_read_cost_a_bounded_buffer_each(
     finally:
         for sock in sockets:
             sock.close()
+
+
+def read_response(sock: socket.socket, pause_s: float) -> tuple[bytes, bytes]:
+    """(head, body) of one Content-Length response, read in small bites with pauses."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(
+        line.split(b":", 1)[1] for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    ))  # fmt: skip
+    chunks = [body]
+    received = len(body)
+    while received < length:
+        chunk = sock.recv(min(65536, length - received))
+        assert chunk, f"cut at {received} of {length} bytes"
+        chunks.append(chunk)
+        received += len(chunk)
+        time.sleep(pause_s)
+    return head, b"".join(chunks)
+
+
+def test_a_miss_streamed_to_slow_readers_arrives_exact_beside_stalled_ones(
+    proxy: ProxyProcess, upstream: FakeUpstream
+) -> None:
+    """Bytes of a download in progress go to a client by sendfile while its socket takes
+    them, and by the ordinary write path when it is full (proxy/http_protocol.py,
+    SocketFileSender): small receive buffers and pauses make the two alternate often."""
+    body = os.urandom(16 * MiB)
+    upstream.files["/growing.bin"] = body
+    upstream.fault("/growing.bin", chunk_size=512 * 1024, chunk_delay_s=0.02)
+    served_before = proxy.metric("proxy_bytes_served_total", repository="files")
+    request = b"GET /files/growing.bin HTTP/1.1\r\nHost: x\r\n\r\n"
+    stalled, slow = [], []
+    for i in range(8):
+        sock = socket.socket()
+        sock.settimeout(30)
+        # Set before connecting, so the window is sized for it (an 8 KiB buffer set
+        # after connecting makes loopback TCP crawl at 80 KB/s, with or without us).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768 if i % 2 else 131072)
+        sock.connect(("127.0.0.1", proxy.port))
+        sock.sendall(request)
+        (stalled if i < 2 else slow).append(sock)
+    try:
+        results = [read_response(sock, pause_s=0.001 * (i % 3)) for i, sock in enumerate(slow)]
+        for head, received in results:
+            assert head.startswith(b"HTTP/1.1 200")
+            assert hashlib.sha256(received).digest() == hashlib.sha256(body).digest()
+        assert upstream.count("/growing.bin") == 1
+    finally:
+        for sock in stalled + slow:
+            sock.close()
+    served = proxy.metric("proxy_bytes_served_total", repository="files") - served_before
+    # The slow readers' bytes, and whatever the stalled ones' sockets took.
+    assert len(slow) * len(body) <= served < (len(slow) + len(stalled)) * len(body)
 
 
 def test_a_users_metrics_folder_is_kept_with_workers(tmp_path: Path) -> None:
