@@ -10,6 +10,7 @@ the ``RepositoryCache`` of ``proxy/contract.py``, bound to one repository, with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -267,6 +268,13 @@ class RepositoryView:
             extra = {**extra, "warning": '110 - "Response is Stale"', "cache-control": "no-cache"}
             return await self._render_entry(outcome.entry, request, extra)
         if isinstance(outcome, Streaming):
+            if outcome.transfer.verified():
+                # Only storing remains (fsync, catalog): a request that comes now is
+                # answered as the stored entry (ETag, Range, 304), like right after.
+                entry = await outcome.transfer.result()
+                if entry is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        return await self._render_entry(entry, request, extra)
             now_ms = self.cache.clock.now_ms()
             policy = responses.cache_control(spec.kind, spec.expires_at_ms(now_ms), now_ms)
             return responses.downloading(request.method, outcome.transfer, extra, self.name, policy)
