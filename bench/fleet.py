@@ -1,12 +1,18 @@
-"""A fleet on one Postgres: one miss for 90 clients, wake-up latency, handover times.
+"""A fleet on one Postgres: one miss for 90 clients, a single fast miss, wake-up latency,
+handover times.
 
-    .venv/bin/python bench/fleet.py [--trials 20]
+    .venv/bin/python -m bench.fleet [--trials 20] [--single-trials 3]
 
 Starts its own PostgreSQL (initdb/pg_ctl, like the tests) unless PROXY_TEST_POSTGRES_URL
 is set, a throttled upstream, and `proxy serve` replicas. Prints:
-- upstream GETs and p50/p99 time-to-last-byte for 3 replicas x 30 clients on one 50 MB miss;
-- waiter wake-up latency: from the holder's release of the lease (database clock) to the
-  waiting replica's client receiving its response headers, with NOTIFY and polling only;
+- upstream GETs for 3 replicas x 30 clients on one 50 MB miss (upstream at 20 MB/s),
+  time to first and to last byte per role (clients of the holder / of the waiting
+  replicas), how long after the holder's first byte the waiters' first bytes came, and
+  each replica's peak RSS;
+- a single 1 GiB miss from an unthrottled upstream: MB/s from first to last byte;
+- a waiter joining a running download: its first byte after its request, and its last
+  byte after the holder's release of the lease (database clock), with NOTIFY and
+  polling only;
 - SIGTERM handover (signal sent -> next holder's claim) and SIGKILL takeover times.
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -28,6 +35,7 @@ from bench.common import (
     Process,
     make_file,
     percentile,
+    rss_kib,
     start_proxy,
     start_upstream,
     upstream_counts,
@@ -36,6 +44,7 @@ from bench.common import (
 from tests.pg import PostgresServer, create_database
 
 MB = 10**6
+GiB = 2**30
 
 
 def config(
@@ -83,38 +92,126 @@ async def wait_lease(
     raise RuntimeError(f"lease {key} never reached the expected state")
 
 
-async def one_miss_for_ninety(urls: list[str], upstream: str, filename: str) -> None:
+def curl(url: str) -> list[str]:
+    # Status, then seconds from curl's start to the first body byte and to the last.
+    return [
+        "curl", "-sS", "-o", "/dev/null", "-w",
+        "%{http_code} %{time_starttransfer} %{time_total}", url,
+    ]  # fmt: skip
+
+
+async def timed_clients(urls: list[str]) -> list[tuple[str, float, float, float]]:
+    """(url, launch, first byte, last byte) per client, as seconds since the epoch."""
+    launched = []
+    for url in urls:
+        at = time.time()
+        launched.append(
+            (
+                url,
+                at,
+                await asyncio.create_subprocess_exec(*curl(url), stdout=asyncio.subprocess.PIPE),
+            )
+        )
+    results = []
+    for url, at, process in launched:
+        status, first, last = (await process.communicate())[0].decode().split()
+        assert status == "200", (url, status)
+        results.append((url, at, at + float(first), at + float(last)))
+    return results
+
+
+async def sample_rss(pids: list[int], peaks: dict[int, int], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                peaks[pid] = max(peaks.get(pid, 0), rss_kib(pid)[0])
+        await asyncio.sleep(0.05)
+
+
+async def waits(url: str) -> float:
+    async with httpx.AsyncClient(timeout=30) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("proxy_fetch_lease_waits_total{")
+    )
+
+
+async def one_miss_for_ninety(
+    replicas: list[tuple[Process, str]], upstream: str, filename: str
+) -> None:
+    urls = [url for _, url in replicas]
     async with httpx.AsyncClient(timeout=300) as client:
         await client.get(f"{urls[0]}/pypi/simple/big/")
-    # curl, not Python: one Python client process would itself be the bottleneck.
-    curls = [
-        await asyncio.create_subprocess_exec(
-            "curl",
-            "-sS",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code} %{time_total}",
-            f"{u}/pypi/files/big/{filename}",
-            stdout=asyncio.subprocess.PIPE,
-        )
-        for u in urls
-        for _ in range(30)
-    ]
-    outputs = [(await c.communicate())[0].decode().split() for c in curls]
-    assert all(status == "200" for status, _ in outputs), outputs
-    times = [float(t) for _, t in outputs]
+    before = {url: await waits(url) for url in urls}
+    peaks: dict[int, int] = {}
+    stop = asyncio.Event()
+    pids = [process.pid for process, _ in replicas]
+
+    async def clients() -> list[tuple[str, float, float, float]]:
+        # curl, not Python: one Python client process would itself be the bottleneck.
+        try:
+            return await timed_clients(
+                [f"{u}/pypi/files/big/{filename}" for _ in range(30) for u in urls]
+            )
+        finally:
+            stop.set()
+
+    started = time.time()
+    results, _ = await asyncio.gather(clients(), sample_rss(pids, peaks, stop))
     gets = upstream_counts(upstream).get(f"/packages/big/{filename}", 0)
+    # The holder is the replica whose requests never waited on a lease.
+    after = {url: await waits(url) for url in urls}
+    holder = next(u for u in urls if after[u] == before[u])
+    first_byte = min(first for url, _, first, _ in results if url.startswith(holder))
     print(
-        f"3 replicas x 30 clients, one 50 MB miss: {gets} upstream GET(s); time to last byte "
-        f"p50 {percentile(times, 50):.2f} s, p99 {percentile(times, 99):.2f} s"
+        f"3 replicas x 30 clients, one 50 MB miss: {gets} upstream GET(s); "
+        "from the clients' start, p50/p99:"
+    )
+    for role, mine in (("holder", True), ("waiter", False)):
+        rows = [row for row in results if row[0].startswith(holder) == mine]
+        ttfb = [first - started for _, _, first, _ in rows]
+        ttlb = [last - started for _, _, _, last in rows]
+        # What the proxy adds: from the later of the client's launch and the holder's
+        # first byte (launching 90 curls takes a while) to this client's first byte.
+        behind = [(first - max(at, first_byte)) * 1000 for _, at, first, _ in rows]
+        print(
+            f"  {role}s ({len(rows)} clients): first byte {percentile(ttfb, 50):.2f}/"
+            f"{percentile(ttfb, 99):.2f} s, last byte {percentile(ttlb, 50):.2f}/"
+            f"{percentile(ttlb, 99):.2f} s; first byte after the holder's first (or "
+            f"the client's start) {percentile(behind, 50):.0f}/{percentile(behind, 99):.0f} ms"
+        )
+    rss = ", ".join(f"{kib / 1024:.0f}" for kib in peaks.values())
+    print(f"  peak RSS per replica (30 clients each): {rss} MiB")
+
+
+async def single_miss(url: str, work: Path, trials: int) -> None:
+    """One client, one 1 GiB miss, the upstream not throttled: the miss path's speed."""
+    rates = []
+    async with httpx.AsyncClient(timeout=300) as client:
+        for i in range(trials):
+            name = f"solo{i}"
+            make_file(work / "fast" / name / f"{name}-1.0.tar.gz", GiB)
+            await client.get(f"{url}/pypi/simple/{name}/")
+            [(_, _, first, last)] = await timed_clients(
+                [f"{url}/pypi/files/{name}/{name}-1.0.tar.gz"]
+            )
+            rates.append(GiB / (last - first + 1e-9) / MB)
+            (work / "fast" / name / f"{name}-1.0.tar.gz").unlink()
+    print(
+        f"single 1 GiB miss, one client, upstream unthrottled: "
+        f"{', '.join(f'{r:.0f}' for r in rates)} MB/s (first to last byte)"
     )
 
 
 async def wake_up_latency(
     db_url: str, holder: str, waiter: str, work: Path, trials: int, label: str
 ) -> None:
-    latencies = []
+    """A waiter joins a download in progress: how soon its client has a first byte, and
+    how long after the holder's release (database clock) it has the last byte, which
+    waits for the lease's outcome."""
+    first_bytes, last_bytes = [], []
     async with httpx.AsyncClient(timeout=120) as client:
         for i in range(trials):
             name = f"wake{i}x{label.split()[0].lower()}"
@@ -125,18 +222,25 @@ async def wake_up_latency(
                 client.get(f"{holder}/pypi/files/{name}/{name}-1.0.tar.gz")
             )
             await wait_lease(db_url, key, lambda r: r["state"] == "fetching")
+            asked = time.time()
+            first = 0.0
             async with client.stream(
                 "GET", f"{waiter}/pypi/files/{name}/{name}-1.0.tar.gz"
             ) as response:
-                answered = time.time()
                 assert response.status_code == 200
+                async for _ in response.aiter_raw():
+                    first = first or time.time()
+            last = time.time()
             await holding
             row = await lease(db_url, key)
             assert row is not None and row["state"] == "done"
-            latencies.append((answered - float(row["expires"])) * 1000)
+            first_bytes.append((first - asked) * 1000)
+            last_bytes.append((last - float(row["expires"])) * 1000)
     print(
-        f"wake-up latency ({label}): p50 {statistics.median(latencies):.1f} ms, "
-        f"p99 {percentile(latencies, 99):.1f} ms over {trials} misses"
+        f"a waiter joining a running download ({label}): first byte after "
+        f"p50 {statistics.median(first_bytes):.0f} / p99 {percentile(first_bytes, 99):.0f} ms; "
+        f"last byte after the holder's release p50 {statistics.median(last_bytes):.1f} / "
+        f"p99 {percentile(last_bytes, 99):.1f} ms ({trials} misses)"
     )
 
 
@@ -191,12 +295,15 @@ async def run(args: argparse.Namespace) -> None:
         processes.append(upstream_proc)
         db_url = await asyncio.to_thread(create_database, admin_url)
         cfg = config(work, "fleet", db_url, upstream, "15s")
-        urls = []
-        for i in range(3):
-            proc, url = start_proxy(cfg, work, f"replica-{i}")
-            processes.append(proc)
-            urls.append(url)
-        await one_miss_for_ninety(urls, upstream, "big-1.0.tar.gz")
+        replicas = [start_proxy(cfg, work, f"replica-{i}") for i in range(3)]
+        processes += [proc for proc, _ in replicas]
+        urls = [url for _, url in replicas]
+        await one_miss_for_ninety(replicas, upstream, "big-1.0.tar.gz")
+        fast_proc, fast = start_upstream(work / "fast", work)
+        processes.append(fast_proc)
+        solo_proc, solo = start_proxy(config(work, "solo", db_url, fast, "15s"), work, "solo")
+        processes.append(solo_proc)
+        await single_miss(solo, work, args.single_trials)
         await wake_up_latency(db_url, urls[0], urls[1], work, args.trials, "NOTIFY")
         deaf_proc, deaf = start_proxy(
             config(work, "deaf", db_url, upstream, "15s", notify=False), work, "deaf"
@@ -226,6 +333,7 @@ async def run(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--single-trials", type=int, default=3, help="1 GiB single misses")
     parser.add_argument("--upstream-mbps", type=float, default=20.0, help="upstream throttle, MB/s")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, files)")
     asyncio.run(run(parser.parse_args()))
