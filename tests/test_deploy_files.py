@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 
-# Metrics the alert rules and the dashboard use that proxy/metrics.py does not define yet:
-# issues 8 and 10 add them (storage usage against max_size, event-loop lag). Remove a name
-# from here once it is exported.
+
 def load_yaml_documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
