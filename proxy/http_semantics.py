@@ -53,13 +53,17 @@ def if_range_holds(if_range: str | None, etag: str, last_modified: str) -> bool:
 
 
 def _seconds_newer(last_modified: str, header: str | None) -> float | None:
-    """How much newer ``last_modified`` is than the date in ``header`` (None: no date)."""
+    """How much newer ``last_modified`` is than the date in ``header`` (None: no date).
+
+    Either may be anything a client or an upstream sent: a date that cannot be read
+    (garbage, or a year no clock holds: OverflowError) means there is no date, so the
+    condition is ignored (RFC 9110 §13.1.3)."""
     if not header:
         return None
     try:
         since_ts = email.utils.parsedate_to_datetime(header).timestamp()
         modified_ts = email.utils.parsedate_to_datetime(last_modified).timestamp()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError, IndexError):
         return None
     return float(modified_ts - since_ts)
 

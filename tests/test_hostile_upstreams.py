@@ -433,3 +433,18 @@ def test_zero_length_entries_have_no_satisfiable_range(
     assert httpx.get(proxy.url + "/r/empty.txt").content == b""
     response = httpx.get(proxy.url + "/r/empty.txt", headers={"Range": "bytes=-1"})
     assert response.status_code == 416 and response.headers["content-range"] == "bytes */0"
+
+
+def test_dates_past_any_clock_are_ignored_not_a_500(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    absurd = b"Mon, 01 Jan 9999999999 00:00:00 GMT"
+    evil.routes["/odd"] = hostile.ok(b"ok", extra=[(b"last-modified", absurd)])
+    evil.routes["/plain"] = hostile.ok(b"fine")
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("raw", evil.base_url))
+    assert httpx.get(proxy.url + "/raw/odd").status_code == 200
+    since_2000 = {"if-modified-since": "Sat, 01 Jan 2000 00:00:00 GMT"}
+    assert httpx.get(proxy.url + "/raw/odd", headers=since_2000).status_code == 200
+    for condition in ("if-modified-since", "if-unmodified-since"):
+        answer = httpx.get(proxy.url + "/raw/plain", headers={condition: absurd.decode()})
+        assert answer.status_code == 200 and answer.content == b"fine", answer.text

@@ -78,6 +78,20 @@ def test_dates() -> None:
     assert not_modified_since(stamp, later) and not_modified_since(stamp, stamp)
     assert not not_modified_since(later, stamp)
     assert modified_after(later, stamp) and not modified_after(stamp, stamp)
-    for garbage in (None, "", "yesterday", "Mon, 99 Foo 2024"):
+    for garbage in (
+        None,
+        "",
+        "yesterday",
+        "Mon, 99 Foo 2024",
+        ABSURD_DATE,
+        "Mon, 01 Jan 99999 0:0:0",
+    ):
         assert not not_modified_since(stamp, garbage)
         assert not modified_after(stamp, garbage)
+        # A stored Last-Modified that came from an upstream is no better.
+        assert not not_modified_since(str(garbage), later)
+        assert not modified_after(str(garbage), later)
+
+
+# A year past what a C time_t holds: parsedate_to_datetime raises OverflowError.
+ABSURD_DATE = "Mon, 01 Jan 9999999999 00:00:00 GMT"
