@@ -36,6 +36,7 @@ from proxy.exceptions import (
     UpstreamUnavailable,
     describe_os_error,
 )
+from proxy.http_semantics import retry_after_header
 from proxy.paths import check_headers, split_path
 from proxy.settings import Settings
 from proxy.types import Receive, Scope, Send
@@ -170,7 +171,7 @@ def _error_response(exc: ProxyError, state: Engine) -> ASGIResponse:
     if isinstance(exc, UpstreamUnavailable):
         extra = {}
         if exc.status == 503:
-            extra["retry-after"] = str(int(exc.retry_after_s or 5))
+            extra["retry-after"] = retry_after_header(exc.retry_after_s)
         return responses.error(exc.status, str(exc), extra)
     if isinstance(exc, UpstreamError):
         return responses.error(exc.status, str(exc))

@@ -25,20 +25,18 @@ several), and nothing is retried once body bytes have been handed on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from email.utils import parsedate_to_datetime
 from urllib.parse import urljoin, urlsplit
 
 import httpx
 
 from proxy import __version__, metrics
 from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from proxy.http_semantics import header_value_ok
+from proxy.http_semantics import header_value_ok, parse_retry_after
 from proxy.settings import UpstreamSettings
 from proxy.ssrf import AddressPolicy
 from proxy.units import format_duration, format_size
@@ -236,7 +234,7 @@ class Upstream:
             if response.status_code not in RETRY_STATUSES:
                 return response
             metrics.UPSTREAM_ERRORS.labels(host=host, reason=str(response.status_code)).inc()
-            retry_after = _retry_after_s(response.headers.get("retry-after"))
+            retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
             await response.aclose()
             if attempt < self.settings.retries:
                 attempt += 1
@@ -400,17 +398,6 @@ def _loop_deadline(monotonic_deadline: float) -> float:
 def _backoff_s(attempt: int) -> float:
     base_s: float = min(BACKOFF_BASE_S * 2.0 ** (attempt - 1), BACKOFF_MAX_S)
     return base_s * random.uniform(0.5, 1.0)
-
-
-def _retry_after_s(value: str | None) -> float | None:
-    if not value:
-        return None
-    if value.isascii() and value.isdigit():
-        return float(value)
-    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
-        when = parsedate_to_datetime(value)
-        return max(0.0, float(when.timestamp()) - time.time())
-    return None
 
 
 __all__ = ["Upstream", "UpstreamAnswer", "UpstreamError", "UpstreamPool", "build_client"]

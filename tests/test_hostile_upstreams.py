@@ -448,3 +448,15 @@ def test_dates_past_any_clock_are_ignored_not_a_500(
     for condition in ("if-modified-since", "if-unmodified-since"):
         answer = httpx.get(proxy.url + "/raw/plain", headers={condition: absurd.decode()})
         assert answer.status_code == 200 and answer.content == b"fine", answer.text
+
+
+@pytest.mark.parametrize("retry_after", [b"9" * 400, b"99999999999", b"-3", b"0"])
+def test_retry_after_from_an_upstream_is_passed_on_within_a_minute(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, retry_after: bytes
+) -> None:
+    busy = head(503, [(b"retry-after", retry_after), (b"content-length", b"0")])
+    evil.routes["/busy"] = hostile.raw(busy, then_close=False)
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("raw", evil.base_url))
+    answer = httpx.get(proxy.url + "/raw/busy")
+    assert answer.status_code == 503, answer.text
+    assert 1 <= int(answer.headers["retry-after"]) <= 60
