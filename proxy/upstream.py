@@ -50,6 +50,7 @@ BUSY_RETRY_AFTER_S = 5  # what a client is told when an upstream's slots are all
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 10
+LOCATION_EXTENSION = "proxy.location"  # where a redirect's Location is kept (see below)
 # Bodies read whole into memory (index pages, checksum files), all requests together:
 # past this, readers wait for each other instead of growing the process.
 BUFFERED_BODIES_MAX_BYTES = 256 * 1024 * 1024
@@ -71,7 +72,21 @@ def build_client(settings: UpstreamSettings) -> httpx.AsyncClient:
         limits=limits,
         follow_redirects=False,  # followed here, so every hop is vetted
         headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
+        event_hooks={"response": [_set_location_aside]},
     )
+
+
+async def _set_location_aside(response: httpx.Response) -> None:
+    """Move a redirect's Location out of httpx's sight, into ``LOCATION_EXTENSION``.
+
+    Even when it does not follow redirects, httpx parses the Location to offer
+    ``next_request``, and a value like ``data:x`` or an invalid IDNA name raises there
+    (``InvalidURL``, ``idna.IDNAError``: not ``httpx.HTTPError``). We follow redirects
+    ourselves (``Upstream.open``), with every hop vetted, and refuse a bad one by name.
+    """
+    if response.status_code in REDIRECT_STATUSES and "location" in response.headers:
+        response.extensions[LOCATION_EXTENSION] = response.headers["location"]
+        del response.headers["location"]
 
 
 class ByteBudget:
@@ -163,7 +178,7 @@ class Upstream:
             host = urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
             async with self.pool.slot(host):
                 response = await self._send(method, url, headers)
-                location = response.headers.get("location")
+                location = response.extensions.get(LOCATION_EXTENSION)
                 if response.status_code in REDIRECT_STATUSES and location:
                     await response.aclose()
                     try:
@@ -197,7 +212,8 @@ class Upstream:
                 request = self.pool.client.build_request(
                     method, target.url, headers=request_headers, extensions=extensions
                 )
-            except (httpx.HTTPError, ValueError) as exc:  # e.g. a header we cannot encode
+            except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+                # e.g. a header or a name we cannot encode (UnicodeError is a ValueError)
                 raise UpstreamUnavailable(f"cannot ask upstream {host}: {exc}") from exc
             head_timeout_s = self.settings.connect_timeout_s + self.settings.read_timeout_s
             try:
@@ -228,7 +244,8 @@ class Upstream:
                     await asyncio.sleep(_backoff_s(attempt))
                     continue
                 raise UpstreamUnavailable(f"upstream {host} unreachable: {exc!r}") from exc
-            except httpx.HTTPError as exc:  # e.g. InvalidURL
+            except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+                # httpx.InvalidURL is no HTTPError; idna's errors are ValueErrors.
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="protocol").inc()
                 raise UpstreamUnavailable(f"upstream {host}: {exc}") from exc
             if response.status_code not in RETRY_STATUSES:

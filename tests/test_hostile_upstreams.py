@@ -460,3 +460,21 @@ def test_retry_after_from_an_upstream_is_passed_on_within_a_minute(
     answer = httpx.get(proxy.url + "/raw/busy")
     assert answer.status_code == 503, answer.text
     assert 1 <= int(answer.headers["retry-after"]) <= 60
+
+
+@pytest.mark.parametrize(
+    ("location", "named"),
+    [
+        ("data:text/plain,hello", "data:text/plain,hello"),
+        ("http://xn--zz-zzzzzzzzzzzzzzzzz.invalid/x", "xn--zz-zzzzzzzzzzzzzzzzz"),  # bad IDNA
+        ("http://\u00e9\u0301.invalid/x", ".invalid"),
+        ("http://[::1/x", "http://[::1/x"),
+    ],
+)
+def test_redirects_to_unusable_locations_are_a_502_naming_them(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, location: str, named: str
+) -> None:
+    evil.routes["/hop"] = hostile.redirect(location)
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("raw", evil.base_url))
+    answer = httpx.get(proxy.url + "/raw/hop")
+    assert answer.status_code == 502 and named in answer.text, answer.text
