@@ -6,7 +6,8 @@ repository an ``Upstream`` with that repository's SSRF policy (``ssrf.py``). Wha
 hostile or broken upstream cannot do here:
 
 - hold a transfer forever: the response head must arrive within connect + read
-  timeout, the whole transfer within ``upstream.transfer_timeout``, and a body that
+  timeout, the whole transfer (redirect hops and retries included) within
+  ``upstream.transfer_timeout``, and a body that
   trickles below ``upstream.min_rate`` over a window fails (a per-read timeout alone
   is reset by every byte);
 - starve other upstreams: concurrent transfers are bounded per upstream host
@@ -171,13 +172,14 @@ class Upstream:
     ) -> AsyncIterator[UpstreamAnswer]:
         """Send ``method url``, following redirects (each hop vetted); retried on
         connection errors and 429/5xx. Other statuses are returned as is; the caller
-        reads the body (or not) within the transfer deadline."""
+        reads the body (or not) within the transfer deadline, which starts here: every
+        hop's head, retry and wait for a slot counts against it."""
         deadline = time.monotonic() + self.settings.transfer_timeout_s
         url = self.policy.without_credentials(url)
         for _hop in range(MAX_REDIRECTS + 1):
             host = urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
             async with self.pool.slot(host):
-                response = await self._send(method, url, headers)
+                response = await self._send(method, url, headers, deadline)
                 location = response.extensions.get(LOCATION_EXTENSION)
                 if response.status_code in REDIRECT_STATUSES and location:
                     await response.aclose()
@@ -198,12 +200,16 @@ class Upstream:
         raise UpstreamUnavailable(f"upstream redirected more than {MAX_REDIRECTS} times: {url}")
 
     async def _send(
-        self, method: str, url: str, headers: Mapping[str, str] | None
+        self, method: str, url: str, headers: Mapping[str, str] | None, deadline: float
     ) -> httpx.Response:
         host = urlsplit(url).netloc.rsplit("@", 1)[-1]
         attempt = 0
         while True:
-            target = await self.policy.vet(url)
+            try:
+                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                    target = await self.policy.vet(url)  # may resolve a name
+            except TimeoutError:
+                raise self._past_deadline(host, "resolving its name") from None
             request_headers = dict(headers or {})
             if target.host_header is not None:
                 request_headers["Host"] = target.host_header
@@ -216,11 +222,14 @@ class Upstream:
                 # e.g. a header or a name we cannot encode (UnicodeError is a ValueError)
                 raise UpstreamUnavailable(f"cannot ask upstream {host}: {exc}") from exc
             head_timeout_s = self.settings.connect_timeout_s + self.settings.read_timeout_s
+            head_deadline = min(time.monotonic() + head_timeout_s, deadline)
             try:
                 # The whole response head, however slowly it trickles in.
-                async with asyncio.timeout(head_timeout_s):
+                async with asyncio.timeout_at(_loop_deadline(head_deadline)):
                     response = await self.pool.client.send(request, stream=True)
             except TimeoutError as exc:
+                if head_deadline >= deadline:
+                    raise self._past_deadline(host, "waiting for a response head") from exc
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
                 raise UpstreamTimeout(
                     f"upstream {host} sent no complete response head within "
@@ -232,7 +241,7 @@ class Upstream:
                     self.settings.retries
                 ):
                     attempt += 1
-                    await asyncio.sleep(_backoff_s(attempt))
+                    await self._pause(_backoff_s(attempt), host, deadline)
                     continue
                 raise UpstreamTimeout(f"upstream {host} timed out ({type(exc).__name__})") from exc
             except httpx.TransportError as exc:
@@ -241,7 +250,7 @@ class Upstream:
                     self.settings.retries
                 ):
                     attempt += 1
-                    await asyncio.sleep(_backoff_s(attempt))
+                    await self._pause(_backoff_s(attempt), host, deadline)
                     continue
                 raise UpstreamUnavailable(f"upstream {host} unreachable: {exc!r}") from exc
             except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
@@ -255,7 +264,8 @@ class Upstream:
             await response.aclose()
             if attempt < self.settings.retries:
                 attempt += 1
-                await asyncio.sleep(min(retry_after or _backoff_s(attempt), RETRY_AFTER_MAX_S))
+                wait_s = min(retry_after or _backoff_s(attempt), RETRY_AFTER_MAX_S)
+                await self._pause(wait_s, host, deadline)
                 continue
             status = 503 if response.status_code in (429, 503) else 502
             raise UpstreamUnavailable(
@@ -263,6 +273,19 @@ class Upstream:
                 status=status,
                 retry_after_s=retry_after,
             )
+
+    async def _pause(self, wait_s: float, host: str, deadline: float) -> None:
+        """Wait before a retry, unless the transfer deadline comes first."""
+        if time.monotonic() + wait_s >= deadline:
+            raise self._past_deadline(host, "retrying")
+        await asyncio.sleep(wait_s)
+
+    def _past_deadline(self, host: str, doing: str) -> UpstreamTimeout:
+        metrics.UPSTREAM_ERRORS.labels(host=host, reason="deadline").inc()
+        return UpstreamTimeout(
+            f"upstream {host} did not finish within upstream.transfer_timeout "
+            f"({format_duration(self.settings.transfer_timeout_s)}): still {doing}"
+        )
 
 
 class UpstreamAnswer:

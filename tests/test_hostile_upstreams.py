@@ -100,6 +100,32 @@ def test_a_trickling_response_head_fails_within_connect_plus_read_timeout(
     assert time.monotonic() - started < 10
 
 
+def test_transfer_timeout_covers_every_redirect_hop_and_head(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    # Each hop's head trickles in over 1.5 s, within the 3 s head timeout; without a
+    # deadline across hops, eleven of them would hold the transfer (and a slot) 16 s.
+    def slow_redirect(location: bytes) -> hostile.Behaviour:
+        async def send(writer: asyncio.StreamWriter, request: hostile.Request) -> None:
+            answer = head(302, [(b"location", location), (b"content-length", b"0")])
+            for start in range(0, len(answer), 8):
+                writer.write(answer[start : start + 8])
+                await writer.drain()
+                await asyncio.sleep(1.5 / (len(answer) / 8))
+
+        return send
+
+    for hop in range(11):
+        evil.routes[f"/h{hop}"] = slow_redirect(b"/h%d" % min(hop + 1, 10))
+    transfer_2s = FAST_FAIL + 'transfer_timeout = "2s"\n'
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("evil", evil.base_url), transfer_2s)
+    response = httpx.get(proxy.url + "/evil/h0", timeout=60)
+    assert response.status_code == 504 and "upstream.transfer_timeout" in response.text, (
+        response.text
+    )
+    assert sum(evil.requests.values()) <= 2
+
+
 def test_stuck_transfers_to_one_upstream_never_starve_another(
     tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, upstream: FakeUpstream
 ) -> None:
