@@ -230,11 +230,19 @@ class UpstreamResponse(Protocol):
 
 class UpstreamClient(Protocol):
     def open(
-        self, method: str, url: str, headers: Mapping[str, str] | None = None
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        beside: UpstreamResponse | None = None,
     ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """Send ``method url`` (retried on connection errors and 429/5xx).
 
         Raises ``UpstreamError`` for outages; any other status is returned as is.
+        ``beside``: this small request belongs to the transfer of that open response
+        (a checksum file beside its artifact) and rides on its upstream slot instead of
+        waiting for one of its own, so a transfer never waits for itself.
         """
         ...
 

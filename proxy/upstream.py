@@ -26,6 +26,7 @@ several), and nothing is retried once body bytes have been handed on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -36,6 +37,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from proxy import __version__, metrics
+from proxy.contract import UpstreamResponse
 from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.http_semantics import header_value_ok, parse_retry_after
 from proxy.settings import UpstreamSettings
@@ -168,17 +170,28 @@ class Upstream:
 
     @asynccontextmanager
     async def open(
-        self, method: str, url: str, headers: Mapping[str, str] | None = None
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        beside: UpstreamResponse | None = None,
     ) -> AsyncIterator[UpstreamAnswer]:
         """Send ``method url``, following redirects (each hop vetted); retried on
         connection errors and 429/5xx. Other statuses are returned as is; the caller
         reads the body (or not) within the transfer deadline, which starts here: every
-        hop's head, retry and wait for a slot counts against it."""
+        hop's head, retry and wait for a slot counts against it.
+
+        ``beside`` (a checksum file beside its artifact): the request takes no slot of
+        its own, since that transfer holds one; were it to wait for one, an artifact
+        holding the host's last slot would wait for its own checksums until it failed.
+        """
         deadline = time.monotonic() + self.settings.transfer_timeout_s
         url = self.policy.without_credentials(url)
         for _hop in range(MAX_REDIRECTS + 1):
             host = urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
-            async with self.pool.slot(host):
+            slot = self.pool.slot(host) if beside is None else contextlib.nullcontext()
+            async with slot:
                 response = await self._send(method, url, headers, deadline)
                 location = response.extensions.get(LOCATION_EXTENSION)
                 if response.status_code in REDIRECT_STATUSES and location:

@@ -504,3 +504,40 @@ def test_redirects_to_unusable_locations_are_a_502_naming_them(
     proxy = proxy_for(tmp_path, start_proxy, raw_repo("raw", evil.base_url))
     answer = httpx.get(proxy.url + "/raw/hop")
     assert answer.status_code == 502 and named in answer.text, answer.text
+
+
+def _slow_body(body: bytes, seconds: float) -> hostile.Behaviour:
+    async def send(writer: asyncio.StreamWriter, request: hostile.Request) -> None:
+        writer.write(head(200, [(b"content-length", b"%d" % len(body))]))
+        for start in range(0, len(body), 10):
+            writer.write(body[start : start + 10])
+            await writer.drain()
+            await asyncio.sleep(seconds / (len(body) / 10))
+
+    return send
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_checksum_files_never_wait_for_the_slot_their_artifact_holds(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, slots: int
+) -> None:
+    # As many artifacts as the host has slots, each body slower than connect_timeout
+    # (how long a request waits for a slot): their checksum files must still be read.
+    paths = [f"/org/example/lib{i}/1.0/lib{i}-1.0.jar" for i in range(slots)]
+    for i, path in enumerate(paths):
+        body = b"jar %d " % i * 10
+        evil.routes[path] = _slow_body(body, 2.0)
+        evil.routes[path + ".sha1"] = hostile.ok(hashlib.sha1(body).hexdigest().encode())
+    limits = FAST_FAIL.replace("max_connections = 4", f"max_connections = {slots}")
+    limits = limits.replace('min_rate = "1KiB/s"', 'min_rate = "1B/s"')
+    proxy = proxy_for(tmp_path, start_proxy, maven_repo(evil.base_url), limits)
+
+    async def fetch_all() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            answers = await asyncio.gather(*(client.get(proxy.url + "/maven" + p) for p in paths))
+        return [a.status_code for a in answers]
+
+    assert asyncio.run(fetch_all()) == [200] * slots
+    for path in paths:  # stored (verified): the checksum is answered from the entry
+        assert httpx.get(proxy.url + "/maven" + path + ".sha1").status_code == 200
+        assert evil.requests[path] == 1
