@@ -255,6 +255,29 @@ def test_json_nested_too_deeply_is_a_502(pypi_proxy: ServerThread, upstream: Fak
     assert response.status_code == 502 and "nested too deeply" in response.text
 
 
+@pytest.mark.parametrize("accept", ["text/html", "application/vnd.pypi.simple.v1+json"])
+def test_json_pages_with_lone_surrogates_render_without_them(
+    pypi_proxy: ServerThread, upstream: FakeUpstream, accept: str
+) -> None:
+    json_type = "application/vnd.pypi.simple.v1+json"
+    files = [
+        {"filename": "sur-1.0.tar.gz", "url": "/x/sur-1.0.tar.gz", "hashes": {}},
+        {"filename": "sur-\ud800.tar.gz", "url": "/x/a.tar.gz", "hashes": {}},
+    ]
+    pages = {
+        "/simple/sur/": {"name": "sur", "files": files},
+        "/simple/surname/": {"name": "\ud800", "files": files[:1]},
+        "/simple/": {"projects": [{"name": "sur"}, {"name": "\udc00x"}]},
+    }
+    for path, page in pages.items():
+        upstream.files[path] = json.dumps({"meta": {"api-version": "1.0"}, **page}).encode()
+        upstream.content_types[path] = json_type
+    for path in pages:
+        answer = httpx.get(pypi_proxy.url + "/pypi" + path, headers={"Accept": accept})
+        assert answer.status_code == 200 and "sur" in answer.text, answer.text
+        assert "\\ud800" not in answer.text and "\\udc00" not in answer.text
+
+
 def test_index_pages_over_the_limit_are_refused(
     tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
 ) -> None:
