@@ -278,6 +278,16 @@ def test_json_pages_with_lone_surrogates_render_without_them(
         assert "\\ud800" not in answer.text and "\\udc00" not in answer.text
 
 
+def test_pages_the_parser_cannot_read_are_a_502(
+    pypi_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    # CPython's HTMLParser raises AssertionError on an unknown marked section.
+    upstream.files["/simple/marked/"] = b"<html><![foo[ x ]]><a href='a.whl'>a.whl</a>"
+    upstream.content_types["/simple/marked/"] = "text/html"
+    answer = httpx.get(pypi_proxy.url + "/pypi/simple/marked/")
+    assert answer.status_code == 502 and "not a simple index" in answer.text, answer.text
+
+
 def test_index_pages_over_the_limit_are_refused(
     tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
 ) -> None:

@@ -43,6 +43,7 @@ from proxy.contract import (
     Response,
     Size,
     Status,
+    UpstreamError,
     UpstreamUnavailable,
     Urls,
     Validators,
@@ -268,6 +269,7 @@ class IndexOrigin:
                 raise UpstreamUnavailable(f"upstream index answered {status} for {self.url}")
             body = await response.read(self.max_size)
             content_type = response.headers.get("content-type", "text/html").lower()
+            links = None
             try:
                 if self.project is None:
                     rendered = await ctx.compute(
@@ -283,11 +285,23 @@ class IndexOrigin:
                         self.project,
                         self.representation,
                     )
-                    await ctx.links.record(links)
             except si.IndexFormatError as exc:
                 raise UpstreamUnavailable(
                     f"upstream page {self.url} is not a simple index: {exc}"
                 ) from exc
+            except UpstreamError:
+                raise  # the parse itself failed (took too long, its process died)
+            except Exception as exc:
+                # Input the parser or renderer did not foresee (e.g. CPython's HTMLParser
+                # asserts on "<![foo["): the page is refused, and the traceback logged,
+                # since it may be a bug of ours.
+                log.exception("cannot parse or render upstream page %s", self.url)
+                raise UpstreamUnavailable(
+                    f"upstream page {self.url} is not a simple index we can read "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
+            if links is not None:
+                await ctx.links.record(links)
             yield Fetched(
                 Status.OK,
                 body=_one_chunk(rendered),
