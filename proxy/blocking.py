@@ -12,15 +12,20 @@ that disk work never waits behind a parse.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from proxy.exceptions import UpstreamUnavailable
 
 T = TypeVar("T")
+
+log = logging.getLogger("proxy.blocking")
 
 IO_THREADS = 32
 CPU_THREADS = 2
@@ -48,35 +53,86 @@ class CpuPool:
     of objects whose garbage collection would hold it too, and in a thread both stall
     the event loop for hundreds of milliseconds. The child also keeps that memory out of
     the server process. ``fn`` and its arguments must be picklable (module-level).
+
+    A child that dies (killed, out of memory) is replaced: the work it was doing fails
+    with a 503 (retry), the next work gets a new child.
     """
 
-    def __init__(self, threads: int = CPU_THREADS) -> None:
+    def __init__(self, threads: int = CPU_THREADS, processes: int = CPU_PROCESSES) -> None:
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cpu")
-        self._processes: ProcessPoolExecutor | None = None
+        self._children = [_Child() for _ in range(processes)]
+        self._idle: asyncio.Queue[_Child] = asyncio.Queue()
+        for child in self._children:
+            self._idle.put_nowait(child)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
         size = sum(len(a) for a in args if isinstance(a, bytes | str))
         if size < LARGE_INPUT_BYTES:
             return await loop.run_in_executor(self._threads, fn, *args)
-        if self._processes is None:
-            self._processes = ProcessPoolExecutor(
-                max_workers=CPU_PROCESSES,
+        child = await self._idle.get()
+        try:
+            return await child.run(fn, args)
+        finally:
+            self._idle.put_nowait(child)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        for child in self._children:
+            child.stop()
+
+
+class _Child:
+    """One child process (a one-worker ``ProcessPoolExecutor``), started when first
+    needed and given one piece of work at a time."""
+
+    def __init__(self) -> None:
+        self._executor: ProcessPoolExecutor | None = None
+
+    async def run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        loop = asyncio.get_running_loop()
+        if self._executor is not None and not self._alive(self._executor):
+            # It died while idle (killed, out of memory): nothing was lost, start anew.
+            log.warning("the page parser process had died; starting a new one")
+            self.stop()
+        try:
+            future = loop.run_in_executor(self._start(), fn, *args)
+        except BrokenProcessPool:  # it died just now, and the executor noticed first
+            self.stop()
+            future = loop.run_in_executor(self._start(), fn, *args)
+        try:
+            return await future
+        except BrokenProcessPool:
+            log.error("the page parser process died while parsing; starting a new one")
+            self.stop()
+            raise UpstreamUnavailable(
+                "the page parser restarted (its process died while parsing this page); retry",
+                status=503,
+            ) from None
+
+    def _start(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(
+                max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_child_init,
                 max_tasks_per_child=CHILD_TASKS,
             )
-        try:
-            return await loop.run_in_executor(self._processes, fn, *args)
-        except BrokenProcessPool:
-            # The child died (killed, out of memory): start a new one next time.
-            self._processes = None
-            raise
+        return self._executor
 
-    def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
-        if self._processes is not None:
-            self._processes.shutdown(wait=False, cancel_futures=True)
+    @staticmethod
+    def _alive(executor: ProcessPoolExecutor) -> bool:
+        return all(p.is_alive() for p in list((executor._processes or {}).values()))
+
+    def stop(self) -> None:
+        """End the child at once, whatever it is doing (it works on our input only)."""
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        # No public way to stop a busy worker before Python 3.14 (kill_workers).
+        for process in list((executor._processes or {}).values()):
+            process.kill()
+        executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _child_init() -> None:
