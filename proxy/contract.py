@@ -300,7 +300,9 @@ class OriginContext:
     page never needs a file), so two fetches can never wait on each other.
 
     ``compute(fn, *args)`` runs CPU-heavy work on what the upstream sent (parsing and
-    rendering a page) in a thread, so the event loop keeps serving meanwhile.
+    rendering a page) off the event loop, in a child process for all but tiny inputs,
+    within ``upstream.parse_timeout``; ``fn`` and its arguments must be picklable. It
+    raises ``UpstreamError`` when the work took too long (502) or its process died (503).
     """
 
     upstream: UpstreamClient

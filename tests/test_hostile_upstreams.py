@@ -288,6 +288,43 @@ def test_pages_the_parser_cannot_read_are_a_502(
     assert answer.status_code == 502 and "not a simple index" in answer.text, answer.text
 
 
+def test_pages_that_take_too_long_to_parse_are_stopped_and_starve_nothing(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    # 120 KB of "<a " takes CPython's HTMLParser minutes (quadratic): with no deadline
+    # two of them held both parse threads, and every other page waited behind them.
+    quadratic = b"<a " * 40_000
+    evil.routes["/simple/evil1/"] = hostile.ok(quadratic, b"text/html")
+    evil.routes["/simple/evil2/"] = hostile.ok(quadratic, b"text/html")
+    evil.routes["/simple/good/"] = hostile.ok(
+        b'<a href="/p/good-1.0.tar.gz">good-1.0.tar.gz</a>', b"text/html"
+    )
+    repos = f"""
+    [[repositories]]
+    name = "pypi"
+    format = "pypi"
+    upstream = "{evil.base_url}/simple/"
+    """
+    limits = FAST_FAIL + 'parse_timeout = "3s"\n'
+    proxy = proxy_for(tmp_path, start_proxy, repos, limits)
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as client:
+            evils = [asyncio.create_task(client.get(f"/pypi/simple/evil{i}/")) for i in (1, 2)]
+            for _ in range(600):  # until both are asked for
+                if evil.requests["/simple/evil1/"] and evil.requests["/simple/evil2/"]:
+                    break
+                await asyncio.sleep(0.05)
+            good = await client.get("/pypi/simple/good/")
+            assert all(not task.done() for task in evils), "the evil pages are still parsed"
+            return [good, *await asyncio.gather(*evils)]
+
+    good, *evils = asyncio.run(scenario())
+    assert good.status_code == 200 and "good-1.0.tar.gz" in good.text
+    for answer in evils:
+        assert answer.status_code == 502 and "took too long to parse" in answer.text
+
+
 def test_index_pages_over_the_limit_are_refused(
     tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
 ) -> None:

@@ -232,8 +232,9 @@ def select_files(
 class IndexOrigin:
     """Fetches one upstream index page, records its links, renders our page.
 
-    Parsing and rendering run in ``ctx.compute``'s threads: a root page of 600,000
-    projects or a project page of 100,000 files must not stall the event loop.
+    Parsing and rendering run in ``ctx.compute`` (a child process for all but tiny
+    pages, with a deadline): a root page of 600,000 projects or a project page of
+    100,000 files must not stall the event loop, a hostile page must not take forever.
     """
 
     def __init__(
@@ -324,7 +325,7 @@ def _project_page(
     representation: str,
 ) -> tuple[bytes, LinkBatch]:
     """Our rendering of an upstream project page, and the links to record (runs in
-    ``ctx.compute``: a thread, or a child process for a large page)."""
+    ``ctx.compute``: a thread for a tiny page, else a child process)."""
     page = si.parse_project(body, content_type, page_url, project)
     page.files = [f for f in page.files if _keep_file(f, project)]
     links = []
