@@ -57,6 +57,10 @@ LOCATION_EXTENSION = "proxy.location"  # where a redirect's Location is kept (se
 # Bodies read whole into memory (index pages, checksum files), all requests together:
 # past this, readers wait for each other instead of growing the process.
 BUFFERED_BODIES_MAX_BYTES = 256 * 1024 * 1024
+# A body read whole is held until its answer is closed, with what the caller makes of it
+# meanwhile: for an index page, our rendering (about as large) and its links (larger
+# still), which wait their turn to be recorded. So it counts three times its size.
+BUDGET_BYTES_PER_BODY_BYTE = 3
 USER_AGENT = f"artifact-proxy/{__version__}"
 
 
@@ -98,25 +102,26 @@ class ByteBudget:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.available = capacity
-        self._changed = asyncio.Condition()
+        self._given = asyncio.Event()  # set (and replaced) whenever bytes are given back
 
     async def take(self, n_bytes: int, timeout_s: float) -> None:
-        async with self._changed:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._changed.wait_for(lambda: self.available >= n_bytes)
-            except TimeoutError:
-                raise UpstreamUnavailable(
-                    "too many large upstream pages are being read at once; retry",
-                    status=503,
-                    retry_after_s=BUSY_RETRY_AFTER_S,
-                ) from None
-            self.available -= n_bytes
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.available < n_bytes:
+                    await self._given.wait()
+        except TimeoutError:
+            raise UpstreamUnavailable(
+                "too many large upstream pages are being read or parsed at once; retry",
+                status=503,
+                retry_after_s=BUSY_RETRY_AFTER_S,
+            ) from None
+        self.available -= n_bytes
 
-    async def give(self, n_bytes: int) -> None:
-        async with self._changed:
-            self.available += n_bytes
-            self._changed.notify_all()
+    def give(self, n_bytes: int) -> None:
+        """Not a coroutine, so that giving back in a ``finally`` cannot be cancelled."""
+        self.available += n_bytes
+        given, self._given = self._given, asyncio.Event()
+        given.set()
 
 
 class UpstreamPool:
@@ -205,9 +210,11 @@ class Upstream:
                     if response.status_code == 303 and method != "HEAD":
                         method = "GET"
                     continue
+                answer = UpstreamAnswer(response, url, self, deadline)
                 try:
-                    yield UpstreamAnswer(response, url, self, deadline)
+                    yield answer
                 finally:
+                    answer.release()
                     await response.aclose()
                 return
         raise UpstreamUnavailable(f"upstream redirected more than {MAX_REDIRECTS} times: {url}")
@@ -312,6 +319,7 @@ class UpstreamAnswer:
         self._upstream = upstream
         self._deadline = deadline
         self._headers = clean_headers(response.headers)
+        self._held = 0  # bytes of the process's budget this answer's body holds
 
     @property
     def status(self) -> int:
@@ -390,8 +398,11 @@ class UpstreamAnswer:
             )
 
     async def read(self, limit: int) -> bytes:
-        """The whole body, refusing more than ``limit`` bytes; held against the process's
-        budget for bodies in memory while it is read."""
+        """The whole body, refusing more than ``limit`` bytes. It is held against the
+        process's budget for bodies in memory until this answer is closed (its ``open``
+        ends), so what the caller does with it meanwhile (an index page waiting for its
+        parse, and parsed) counts as well (``BUDGET_BYTES_PER_BODY_BYTE``): a burst of
+        big pages waits to be read instead of piling up in memory."""
         expected = self.length
         if expected is not None and expected > limit:
             raise UpstreamUnavailable(
@@ -400,21 +411,36 @@ class UpstreamAnswer:
             )
         budget = self._upstream.pool.budget
         wait_s = self._upstream.settings.read_timeout_s
-        reserved = 0
+        received = 0
         chunks = []
         try:
-            async for chunk in self.body():
-                if reserved + len(chunk) > limit:
+            if expected is not None:
+                # All at once: readers that each hold part of what they need could
+                # wait for each other until they all fail.
+                wanted = min(expected * BUDGET_BYTES_PER_BODY_BYTE, budget.capacity)
+                await budget.take(wanted, wait_s)
+                self._held = wanted
+            async for chunk in self.body():  # never more than ``expected``
+                received += len(chunk)
+                if received > limit:
                     raise UpstreamUnavailable(
                         f"upstream body for {self._url} exceeds the {format_size(limit)} limit"
                     )
-                await budget.take(len(chunk), wait_s)
-                reserved += len(chunk)
+                if expected is None:
+                    more = len(chunk) * BUDGET_BYTES_PER_BODY_BYTE
+                    more = min(more, budget.capacity - self._held)
+                    await budget.take(more, wait_s)
+                    self._held += more
                 chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            # The caller now owns the bytes; the budget bounds what is still arriving.
-            await budget.give(reserved)
+        except BaseException:
+            self.release()
+            raise
+        return b"".join(chunks)
+
+    def release(self) -> None:
+        """Give the body's bytes back to the budget (when the answer is closed)."""
+        held, self._held = self._held, 0
+        self._upstream.pool.budget.give(held)
 
 
 def clean_headers(headers: httpx.Headers) -> dict[str, str]:

@@ -20,7 +20,10 @@ import pytest
 from proxy.catalog import Entry, open_catalog
 from proxy.clock import SYSTEM_CLOCK
 from proxy.config import load
+from proxy.exceptions import UpstreamUnavailable
+from proxy.settings import UpstreamSettings
 from proxy.types import Kind
+from proxy.upstream import BUDGET_BYTES_PER_BODY_BYTE, ByteBudget, UpstreamPool
 from tests import hostile
 from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.hostile import HostileUpstream, head
@@ -611,3 +614,61 @@ def test_checksum_files_never_wait_for_the_slot_their_artifact_holds(
     for path in paths:  # stored (verified): the checksum is answered from the entry
         assert httpx.get(proxy.url + "/maven" + path + ".sha1").status_code == 200
         assert evil.requests[path] == 1
+
+
+def test_a_body_read_whole_stays_in_the_budget_until_its_answer_is_closed(
+    evil: HostileUpstream,
+) -> None:
+    # An index page is read whole, then waits for and goes through its parse: all that
+    # time it is in memory. Twelve 22 MB pages queued for the parse took the server
+    # from 45 to 800 MiB while the budget (256 MiB) counted only the reading.
+    evil.routes["/page"] = hostile.ok(b"p" * 100_000)
+    evil.routes["/huge"] = hostile.ok(b"h" * 300_000)
+
+    async def scenario() -> None:
+        pool = UpstreamPool(UpstreamSettings())
+        budget = pool.budget
+        upstream = pool.for_repository("r", (evil.base_url + "/",))
+        try:
+            async with upstream.open("GET", evil.base_url + "/page") as answer:
+                body = await answer.read(1 << 20)
+                # The body, and what its parse makes of it (as large again, and more).
+                held = len(body) * BUDGET_BYTES_PER_BODY_BYTE
+                assert budget.available == budget.capacity - held
+            assert budget.available == budget.capacity
+            with pytest.raises(UpstreamUnavailable, match="limit"):
+                async with upstream.open("GET", evil.base_url + "/huge") as answer:
+                    await answer.read(200_000)
+            assert budget.available == budget.capacity
+        finally:
+            await pool.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_body_of_known_length_waits_for_its_whole_share_of_the_budget(
+    evil: HostileUpstream,
+) -> None:
+    # Readers that each took part of what they needed waited for each other until all
+    # of them failed: 24 concurrent 22 MB pages against 256 MiB all ended in a 503.
+    evil.routes["/page"] = hostile.ok(b"p" * 200_000)
+    held = 200_000 * BUDGET_BYTES_PER_BODY_BYTE
+
+    async def scenario() -> None:
+        pool = UpstreamPool(UpstreamSettings(read_timeout_s=30))
+        budget = pool.budget = ByteBudget(held + 100_000)
+        await budget.take(200_000, 1)  # another page, being parsed
+        upstream = pool.for_repository("r", (evil.base_url + "/",))
+        try:
+            async with upstream.open("GET", evil.base_url + "/page") as answer:
+                reading = asyncio.create_task(answer.read(1 << 20))
+                await asyncio.sleep(0.5)
+                assert not reading.done() and budget.available == held - 100_000
+                budget.give(200_000)
+                assert len(await reading) == 200_000
+                assert budget.available == 100_000
+            assert budget.available == budget.capacity
+        finally:
+            await pool.aclose()
+
+    asyncio.run(scenario())
