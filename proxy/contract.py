@@ -66,6 +66,9 @@ from proxy.types import (
     Validators,
 )
 
+# Redirects a format answers on its own (e.g. PEP 503 name normalization) never change.
+REDIRECT_MAX_AGE_S = 86400
+
 __all__ = [
     "KNOWN_DIGESTS",
     "Adapter",
@@ -173,10 +176,16 @@ def error_response(status: int, message: str, headers: Mapping[str, str] | None 
     return _responses.error(status, message, headers)
 
 
-def redirect(location: str, status: int = 301) -> Response:
-    return _responses.BodyResponse(
-        status, [(b"location", location.encode()), (b"content-length", b"0")], b""
-    )
+def redirect(location: str, status: int = 301, max_age_s: int = REDIRECT_MAX_AGE_S) -> Response:
+    """A redirect that holds whatever the upstream does (a name normalized, a slash
+    added), so shared caches may keep it for ``max_age_s`` (docs/architecture.md,
+    "Caching by others")."""
+    headers = [
+        (b"location", location.encode()),
+        (b"content-length", b"0"),
+        (b"cache-control", f"public, max-age={max_age_s}".encode()),
+    ]
+    return _responses.BodyResponse(status, headers, b"")
 
 
 def empty_response(status: int, headers: Mapping[str, str] | None = None) -> Response:
