@@ -379,10 +379,12 @@ def test_the_alert_rules_are_valid_and_pass_their_unit_tests() -> None:
         "NoReadyReplica",
         "FetchLeaseLosses",
         "UpstreamErrorRatio",
-        "StorageNearMax",
+        "StorageOverMax",
+        "StorageErrors",
+        "JobRunsFailed",
         "EventLoopLag",
     } <= names
-    assert len(tested & names) >= 2
+    assert {"StorageOverMax", "StorageErrors", "JobRunsFailed", "NoReadyReplica"} <= tested
     check_known(set().union(*(metric_names(rule["expr"]) for rule in rules)), "alerts.yml")
 
 
