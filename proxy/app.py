@@ -213,7 +213,22 @@ async def healthz(request: StarletteRequest) -> Response:
 
 
 async def readyz(request: StarletteRequest) -> Response:
+    """Ready to serve? ``/readyz`` checks the database and the storage too: for
+    operators and monitoring. ``/readyz?scope=local`` checks only this process (started,
+    not shutting down): for load balancers and Kubernetes readiness. The database and
+    the shared volume are the same for every replica, so a check on them takes every
+    replica out of rotation at once, also the cached hits they could still serve."""
     state: Engine = request.state.proxy
+    scope = request.query_params.get("scope", "all")
+    if scope not in ("all", "local"):
+        return PlainTextResponse(
+            f"unknown readiness scope {scope!r}; use /readyz or /readyz?scope=local\n",
+            status_code=400,
+        )
+    if scope == "local":
+        if state.tasks.closing:
+            return PlainTextResponse("not ready: shutting down\n", status_code=503)
+        return PlainTextResponse("ready (this process; /readyz checks its dependencies)\n")
     problems = []
     try:
         async with asyncio.timeout(READY_CHECK_TIMEOUT_S):
