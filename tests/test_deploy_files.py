@@ -165,6 +165,46 @@ def test_every_compose_service_restarts_and_starts_in_health_order() -> None:
             assert services[name]["depends_on"][replica]["condition"] == "service_healthy"
 
 
+def test_compose_publishes_on_the_loopback_address_unless_told_otherwise() -> None:
+    for name, service in compose()["services"].items():
+        for port in service.get("ports", []):
+            default_address = re.fullmatch(r"\$\{(\w+):-([^}]*)\}:.*", port)
+            assert default_address, f"{name} publishes {port} without a settable address"
+            assert default_address.group(2) == "127.0.0.1", f"{name}: {port}"
+
+
+def test_compose_replicas_run_a_config_where_only_users_write_the_build_cache(
+    tmp_path: Path,
+) -> None:
+    replica = compose()["services"]["proxy1"]
+    mounts = dict(v.rsplit(":", 2)[:2] for v in replica["volumes"] if v.startswith("./"))
+    config_path = replica["environment"]["PROXY_CONFIG"]
+    assert mounts["./proxy.toml"] == config_path
+    password = replica["environment"]["GRADLE_CACHE_CI_PASSWORD"]
+    assert password == "${GRADLE_CACHE_CI_PASSWORD:-change-me}"
+    config = tomllib.loads((DEPLOY / "proxy.toml").read_text())
+    [cache] = [r for r in config["repositories"] if r["format"] == "gradle-build-cache"]
+    assert cache.get("anonymous", "read") in ("none", "read")
+    assert cache["users"]["ci"] == {"password": "${GRADLE_CACHE_CI_PASSWORD}", "role": "write"}
+    readme = (ROOT / "README.md").read_text()
+    assert "GRADLE_CACHE_CI_PASSWORD" in readme and "change-me" in readme
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", "--config", str(DEPLOY / "proxy.toml")],
+        env={
+            **os.environ,
+            "GRADLE_CACHE_CI_PASSWORD": "x",
+            "PROXY_LISTEN": replica["environment"]["PROXY_LISTEN"],
+            "PROXY_STORAGE_PATH": str(tmp_path),
+            "PROXY_UPSTREAM_PYPI": "https://upstream.example/simple/",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "lets anyone write" not in result.stderr
+
+
 def nginx_directives() -> list[str]:
     text = re.sub(r"#[^\n]*", "", (DEPLOY / "nginx.conf").read_text())
     return [" ".join(d.split()) for d in text.replace("{", ";").replace("}", ";").split(";")]
