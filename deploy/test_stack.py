@@ -277,6 +277,21 @@ class Checks:
         )
         return "back and serving after: " + "; ".join(times)
 
+    def build_cache_writes(self) -> str:
+        """(h) The build cache through the LB: anyone reads, only the user `ci` writes."""
+        url = f"{self.stack.lb}/gradle-cache/deploy-test-{time.monotonic_ns()}"
+        anonymous = self.client.put(url, content=b"poisoned")
+        if anonymous.status_code != 401:
+            raise AssertionError(f"an anonymous PUT answered {anonymous.status_code}")
+        wrong = self.client.put(url, content=b"poisoned", auth=("ci", "change-me"))
+        if wrong.status_code != 401:
+            raise AssertionError(f"the documented default password was let in: {wrong.status_code}")
+        written = self.client.put(url, content=b"output", auth=("ci", self.stack.gradle_password))
+        read = self.get(url)
+        if written.status_code != 201 or read.content != b"output":
+            raise AssertionError(f"ci's PUT {written.status_code}, then GET {read.status_code}")
+        return "anonymous PUT 401, ci PUT 201, anonymous GET 200"
+
     def lb_cache(self) -> str:
         """(g) The LB caches immutable files (when the proxy marks them so)."""
         stack = self.stack
@@ -341,6 +356,9 @@ def main() -> int:
         checks.check("(b) pip through the LB, 1 upstream GET per file", checks.pip_through_lb)
         checks.check("(e) a 503 route does not take the fleet down", checks.bad_route)
         checks.check("(g) the LB caches immutable files", checks.lb_cache)
+        checks.check(
+            "(h) the build cache takes writes from its user only", checks.build_cache_writes
+        )
         checks.check("(c) Prometheus sees every replica", checks.prometheus_targets)
         checks.check("(d) a replica stopped: the LB keeps serving", checks.replica_stopped)
         checks.check(

@@ -36,6 +36,7 @@ from proxy.exceptions import (
     UpstreamUnavailable,
     describe_os_error,
 )
+from proxy.http_semantics import retry_after_header
 from proxy.paths import check_headers, split_path
 from proxy.settings import Settings
 from proxy.types import Receive, Scope, Send
@@ -170,7 +171,7 @@ def _error_response(exc: ProxyError, state: Engine) -> ASGIResponse:
     if isinstance(exc, UpstreamUnavailable):
         extra = {}
         if exc.status == 503:
-            extra["retry-after"] = str(int(exc.retry_after_s or 5))
+            extra["retry-after"] = retry_after_header(exc.retry_after_s)
         return responses.error(exc.status, str(exc), extra)
     if isinstance(exc, UpstreamError):
         return responses.error(exc.status, str(exc))
@@ -212,7 +213,22 @@ async def healthz(request: StarletteRequest) -> Response:
 
 
 async def readyz(request: StarletteRequest) -> Response:
+    """Ready to serve? ``/readyz`` checks the database and the storage too: for
+    operators and monitoring. ``/readyz?scope=local`` checks only this process (started,
+    not shutting down): for load balancers and Kubernetes readiness. The database and
+    the shared volume are the same for every replica, so a check on them takes every
+    replica out of rotation at once, also the cached hits they could still serve."""
     state: Engine = request.state.proxy
+    scope = request.query_params.get("scope", "all")
+    if scope not in ("all", "local"):
+        return PlainTextResponse(
+            f"unknown readiness scope {scope!r}; use /readyz or /readyz?scope=local\n",
+            status_code=400,
+        )
+    if scope == "local":
+        if state.tasks.closing:
+            return PlainTextResponse("not ready: shutting down\n", status_code=503)
+        return PlainTextResponse("ready (this process; /readyz checks its dependencies)\n")
     problems = []
     try:
         async with asyncio.timeout(READY_CHECK_TIMEOUT_S):

@@ -48,6 +48,7 @@ from proxy.settings import (
     DEFAULT_MIN_RATE_WINDOW_S,
     DEFAULT_MIRROR_INTERVAL_S,
     DEFAULT_MIRROR_VERSIONS,
+    DEFAULT_PARSE_TIMEOUT_S,
     DEFAULT_READ_TIMEOUT_S,
     DEFAULT_RECLAIM_INTERVAL_S,
     DEFAULT_RETENTION_INTERVAL_S,
@@ -157,6 +158,7 @@ class _Parser:
                 "min_rate_window",
                 "retries",
                 "max_connections",
+                "parse_timeout",
             },
         )
         leases = self.table(raw, "leases", {"ttl", "poll_interval", "retention", "notify"})
@@ -205,6 +207,9 @@ class _Parser:
             min_rate=self.value(upstream, "upstream", "min_rate", Rate(), DEFAULT_MIN_RATE),
             min_rate_window_s=self.value(
                 upstream, "upstream", "min_rate_window", positive, DEFAULT_MIN_RATE_WINDOW_S
+            ),
+            parse_timeout_s=self.value(
+                upstream, "upstream", "parse_timeout", positive, DEFAULT_PARSE_TIMEOUT_S
             ),
         )
         if upstream_settings.transfer_timeout_s < upstream_settings.read_timeout_s:

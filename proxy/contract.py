@@ -66,6 +66,9 @@ from proxy.types import (
     Validators,
 )
 
+# Redirects a format answers on its own (e.g. PEP 503 name normalization) never change.
+REDIRECT_MAX_AGE_S = 86400
+
 __all__ = [
     "KNOWN_DIGESTS",
     "Adapter",
@@ -173,10 +176,16 @@ def error_response(status: int, message: str, headers: Mapping[str, str] | None 
     return _responses.error(status, message, headers)
 
 
-def redirect(location: str, status: int = 301) -> Response:
-    return _responses.BodyResponse(
-        status, [(b"location", location.encode()), (b"content-length", b"0")], b""
-    )
+def redirect(location: str, status: int = 301, max_age_s: int = REDIRECT_MAX_AGE_S) -> Response:
+    """A redirect that holds whatever the upstream does (a name normalized, a slash
+    added), so shared caches may keep it for ``max_age_s`` (docs/architecture.md,
+    "Caching by others")."""
+    headers = [
+        (b"location", location.encode()),
+        (b"content-length", b"0"),
+        (b"cache-control", f"public, max-age={max_age_s}".encode()),
+    ]
+    return _responses.BodyResponse(status, headers, b"")
 
 
 def empty_response(status: int, headers: Mapping[str, str] | None = None) -> Response:
@@ -230,11 +239,19 @@ class UpstreamResponse(Protocol):
 
 class UpstreamClient(Protocol):
     def open(
-        self, method: str, url: str, headers: Mapping[str, str] | None = None
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        beside: UpstreamResponse | None = None,
     ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """Send ``method url`` (retried on connection errors and 429/5xx).
 
         Raises ``UpstreamError`` for outages; any other status is returned as is.
+        ``beside``: this small request belongs to the transfer of that open response
+        (a checksum file beside its artifact) and rides on its upstream slot instead of
+        waiting for one of its own, so a transfer never waits for itself.
         """
         ...
 
@@ -292,7 +309,9 @@ class OriginContext:
     page never needs a file), so two fetches can never wait on each other.
 
     ``compute(fn, *args)`` runs CPU-heavy work on what the upstream sent (parsing and
-    rendering a page) in a thread, so the event loop keeps serving meanwhile.
+    rendering a page) off the event loop, in a child process for all but tiny inputs,
+    within ``upstream.parse_timeout``; ``fn`` and its arguments must be picklable. It
+    raises ``UpstreamError`` when the work took too long (502) or its process died (503).
     """
 
     upstream: UpstreamClient

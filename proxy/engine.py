@@ -107,7 +107,7 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
         if applied:
             log.info("applied migrations: %s", ", ".join(applied))
         pool = UpstreamPool(settings.upstream)
-        cpu = CpuPool()
+        cpu = CpuPool(deadline_s=settings.upstream.parse_timeout_s)
         try:
             tasks = TaskSupervisor()
             holder = make_holder_id()

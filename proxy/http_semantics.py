@@ -1,15 +1,22 @@
-"""HTTP request semantics, as pure functions: entity tags, dates and byte ranges
-(RFC 9110 §8.8, §13, §14). No I/O; ``responses.py`` applies them to stored entries.
+"""HTTP request semantics, as pure functions: entity tags, dates, byte ranges and
+Retry-After (RFC 9110 §8.8, §10.2.3, §13, §14). No I/O; ``responses.py`` applies them
+to stored entries.
 """
 
 from __future__ import annotations
 
 import email.utils
 import functools
+import math
 import re
 from typing import Literal
 
 HEADER_VALUE_MAX_CHARS = 8192
+# Retry-After, read from upstreams and sent to clients: whole seconds in this range. An
+# upstream that says "come back in 10^400 seconds" must not make us say it (or crash).
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 60
+RETRY_AFTER_DEFAULT_S = 5
 _HEADER_VALUE_RE = re.compile(r"^[\t\x20-\x7e]*$")
 
 
@@ -53,13 +60,17 @@ def if_range_holds(if_range: str | None, etag: str, last_modified: str) -> bool:
 
 
 def _seconds_newer(last_modified: str, header: str | None) -> float | None:
-    """How much newer ``last_modified`` is than the date in ``header`` (None: no date)."""
+    """How much newer ``last_modified`` is than the date in ``header`` (None: no date).
+
+    Either may be anything a client or an upstream sent: a date that cannot be read
+    (garbage, or a year no clock holds: OverflowError) means there is no date, so the
+    condition is ignored (RFC 9110 §13.1.3)."""
     if not header:
         return None
     try:
         since_ts = email.utils.parsedate_to_datetime(header).timestamp()
         modified_ts = email.utils.parsedate_to_datetime(last_modified).timestamp()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError, IndexError):
         return None
     return float(modified_ts - since_ts)
 
@@ -72,6 +83,35 @@ def not_modified_since(last_modified: str, header: str | None) -> bool:
 def modified_after(last_modified: str, header: str | None) -> bool:
     newer = _seconds_newer(last_modified, header)
     return newer is not None and newer > 0
+
+
+def parse_retry_after(value: str | None, now_s: float) -> float | None:
+    """The wait a Retry-After header asks for (delay-seconds or an HTTP date, RFC 9110
+    §10.2.3), within ``RETRY_AFTER_MIN_S``..``RETRY_AFTER_MAX_S``; None if unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        seconds = float(RETRY_AFTER_MAX_S) if len(value) > 6 else float(value)
+    else:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - now_s
+        except (TypeError, ValueError, OverflowError, IndexError):
+            return None
+    return _clamp_retry_after(seconds)
+
+
+def retry_after_header(seconds: float | None) -> str:
+    """The Retry-After value we send for a wait of ``seconds`` (None: our default)."""
+    if seconds is None or seconds != seconds:  # None or NaN
+        return str(RETRY_AFTER_DEFAULT_S)
+    return str(math.ceil(_clamp_retry_after(seconds)))
+
+
+def _clamp_retry_after(seconds: float) -> float:
+    if not seconds >= RETRY_AFTER_MIN_S:  # NaN too
+        return float(RETRY_AFTER_MIN_S)
+    return float(min(seconds, RETRY_AFTER_MAX_S))
 
 
 UNSATISFIABLE: Literal["unsatisfiable"] = "unsatisfiable"

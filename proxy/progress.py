@@ -12,6 +12,15 @@ from proxy.units import human_size
 BAR_WIDTH = 24
 
 
+def printable(text: str) -> str:
+    """``text`` with what a terminal should not get escaped (``\\x1b``, ``\\ud800``): a
+    label may be a purl from an SBOM, which is anything. A lone surrogate cannot even
+    be encoded, and control characters would rewrite the operator's screen."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class MirrorProgress:
     """``mirrors.Progress`` for a terminal (``tty=True``) or a plain stream."""
 
@@ -29,6 +38,7 @@ class MirrorProgress:
 
     def done(self, label: str, outcome: Outcome, size: int) -> None:
         self.summary.add(outcome, size)
+        label = printable(label)
         if self.tty:
             self._draw(label)
             return

@@ -25,6 +25,8 @@ def purls_in_sbom(data: bytes) -> list[str]:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not JSON ({exc})") from None
+    except RecursionError:  # a hostile document: [[[[... 100,000 deep
+        raise ValueError("not an SBOM: JSON nested too deeply") from None
     if not isinstance(doc, dict):
         raise ValueError("not a CycloneDX or SPDX JSON document (the top level is not an object)")
     if doc.get("bomFormat") == "CycloneDX":

@@ -27,6 +27,9 @@ DEFAULT_MAX_CONNECTIONS = 100  # per upstream host
 DEFAULT_TRANSFER_TIMEOUT_S = 4 * 3600.0  # a multi-GB artifact on a slow link fits
 DEFAULT_MIN_RATE = 4 * 1024  # bytes per second, averaged over the window below
 DEFAULT_MIN_RATE_WINDOW_S = 30.0
+# Parsing one upstream index page: a real index's 600,000-project root page takes a few
+# seconds; pages that take CPython's HTML parser quadratic time would take hours.
+DEFAULT_PARSE_TIMEOUT_S = 30.0
 DEFAULT_MIN_FREE = 512 * 2**20  # /readyz fails below this much free storage
 DEFAULT_LEASE_TTL_S = 15.0
 DEFAULT_LEASE_POLL_INTERVAL_S = 0.25
@@ -85,6 +88,7 @@ class UpstreamSettings:
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     min_rate: int = DEFAULT_MIN_RATE
     min_rate_window_s: float = DEFAULT_MIN_RATE_WINDOW_S
+    parse_timeout_s: float = DEFAULT_PARSE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ class Settings:
             f'min_rate_window = "{format_duration(self.upstream.min_rate_window_s)}"',
             f"retries = {self.upstream.retries}",
             f"max_connections = {self.upstream.max_connections}",
+            f'parse_timeout = "{format_duration(self.upstream.parse_timeout_s)}"',
             "[leases]",
             f'ttl = "{format_duration(self.leases.ttl_s)}"',
             f'poll_interval = "{format_duration(self.leases.poll_interval_s)}"',

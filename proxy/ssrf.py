@@ -29,6 +29,16 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 CLOUD_METADATA = frozenset(
     ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")
 )
+# IPv6 forms whose last 32 bits are an IPv4 address the packets end up at: NAT64's
+# well-known prefix (RFC 6052; a DNS64 network gives every IPv4 host such an address),
+# IPv4-compatible (::a.b.c.d, deprecated) and IPv4-translated (::ffff:0:a.b.c.d, SIIT).
+# They are judged as that IPv4 address.
+EMBEDDING_IPV4_LAST = tuple(
+    ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "::/96", "::ffff:0:0:0/96")
+)
+# Local-use NAT64 (RFC 8215): where the IPv4 address sits depends on the operator's
+# prefix length, so the whole range is internal (allow_hosts can open it).
+NAT64_LOCAL_USE = ipaddress.IPv6Network("64:ff9b:1::/48")
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,10 @@ class Target:
 
 def address_kind(address: IPAddress) -> str | None:
     """Why an address is internal ("loopback", "private", ...), or None if it is public."""
+    if address.is_loopback:  # ::1 first: it is also "IPv4-compatible" 0.0.0.1
+        return "loopback"
+    if address.is_unspecified:
+        return "unspecified"
     embedded = _embedded_ipv4(address)
     if embedded is not None:
         return address_kind(embedded)
@@ -55,17 +69,22 @@ def address_kind(address: IPAddress) -> str | None:
         return "unspecified"
     if address.is_multicast:
         return "multicast"
-    if address.is_private:
+    if address.is_private or address in NAT64_LOCAL_USE:
         return "private"
+    if isinstance(address, ipaddress.IPv6Address) and address.is_site_local:
+        return "site-local"  # fec0::/10: deprecated, but still routed inside some sites
     if not address.is_global:
         return "reserved"
     return None
 
 
 def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
-    if isinstance(address, ipaddress.IPv6Address):
-        return address.ipv4_mapped or address.sixtofour or (address.teredo or (None, None))[1]
-    return None
+    if not isinstance(address, ipaddress.IPv6Address):
+        return None
+    found = address.ipv4_mapped or address.sixtofour or (address.teredo or (None, None))[1]
+    if found is None and any(address in n for n in EMBEDDING_IPV4_LAST):
+        found = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return found
 
 
 class AddressPolicy:

@@ -6,7 +6,8 @@ repository an ``Upstream`` with that repository's SSRF policy (``ssrf.py``). Wha
 hostile or broken upstream cannot do here:
 
 - hold a transfer forever: the response head must arrive within connect + read
-  timeout, the whole transfer within ``upstream.transfer_timeout``, and a body that
+  timeout, the whole transfer (redirect hops and retries included) within
+  ``upstream.transfer_timeout``, and a body that
   trickles below ``upstream.min_rate`` over a window fails (a per-read timeout alone
   is reset by every byte);
 - starve other upstreams: concurrent transfers are bounded per upstream host
@@ -31,15 +32,15 @@ import random
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from email.utils import parsedate_to_datetime
 from urllib.parse import urljoin, urlsplit
 
 import httpcore
 import httpx
 
 from proxy import __version__, metrics
+from proxy.contract import UpstreamResponse
 from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from proxy.http_semantics import header_value_ok
+from proxy.http_semantics import header_value_ok, parse_retry_after
 from proxy.settings import UpstreamSettings
 from proxy.ssrf import AddressPolicy
 from proxy.units import format_duration, format_size
@@ -53,9 +54,14 @@ BUSY_RETRY_AFTER_S = 5  # what a client is told when an upstream's slots are all
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 10
+LOCATION_EXTENSION = "proxy.location"  # where a redirect's Location is kept (see below)
 # Bodies read whole into memory (index pages, checksum files), all requests together:
 # past this, readers wait for each other instead of growing the process.
 BUFFERED_BODIES_MAX_BYTES = 256 * 1024 * 1024
+# A body read whole is held until its answer is closed, with what the caller makes of it
+# meanwhile: for an index page, our rendering (about as large) and its links (larger
+# still), which wait their turn to be recorded. So it counts three times its size.
+BUDGET_BYTES_PER_BODY_BYTE = 3
 USER_AGENT = f"artifact-proxy/{__version__}"
 
 
@@ -83,7 +89,21 @@ def build_client(settings: UpstreamSettings) -> httpx.AsyncClient:
         limits=limits,
         follow_redirects=False,  # followed here, so every hop is vetted
         headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
+        event_hooks={"response": [_set_location_aside]},
     )
+
+
+async def _set_location_aside(response: httpx.Response) -> None:
+    """Move a redirect's Location out of httpx's sight, into ``LOCATION_EXTENSION``.
+
+    Even when it does not follow redirects, httpx parses the Location to offer
+    ``next_request``, and a value like ``data:x`` or an invalid IDNA name raises there
+    (``InvalidURL``, ``idna.IDNAError``: not ``httpx.HTTPError``). We follow redirects
+    ourselves (``Upstream.open``), with every hop vetted, and refuse a bad one by name.
+    """
+    if response.status_code in REDIRECT_STATUSES and "location" in response.headers:
+        response.extensions[LOCATION_EXTENSION] = response.headers["location"]
+        del response.headers["location"]
 
 
 class ByteBudget:
@@ -92,25 +112,26 @@ class ByteBudget:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.available = capacity
-        self._changed = asyncio.Condition()
+        self._given = asyncio.Event()  # set (and replaced) whenever bytes are given back
 
     async def take(self, n_bytes: int, timeout_s: float) -> None:
-        async with self._changed:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._changed.wait_for(lambda: self.available >= n_bytes)
-            except TimeoutError:
-                raise UpstreamUnavailable(
-                    "too many large upstream pages are being read at once; retry",
-                    status=503,
-                    retry_after_s=BUSY_RETRY_AFTER_S,
-                ) from None
-            self.available -= n_bytes
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.available < n_bytes:
+                    await self._given.wait()
+        except TimeoutError:
+            raise UpstreamUnavailable(
+                "too many large upstream pages are being read or parsed at once; retry",
+                status=503,
+                retry_after_s=BUSY_RETRY_AFTER_S,
+            ) from None
+        self.available -= n_bytes
 
-    async def give(self, n_bytes: int) -> None:
-        async with self._changed:
-            self.available += n_bytes
-            self._changed.notify_all()
+    def give(self, n_bytes: int) -> None:
+        """Not a coroutine, so that giving back in a ``finally`` cannot be cancelled."""
+        self.available += n_bytes
+        given, self._given = self._given, asyncio.Event()
+        given.set()
 
 
 class UpstreamPool:
@@ -164,18 +185,30 @@ class Upstream:
 
     @asynccontextmanager
     async def open(
-        self, method: str, url: str, headers: Mapping[str, str] | None = None
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        beside: UpstreamResponse | None = None,
     ) -> AsyncIterator[UpstreamAnswer]:
         """Send ``method url``, following redirects (each hop vetted); retried on
         connection errors and 429/5xx. Other statuses are returned as is; the caller
-        reads the body (or not) within the transfer deadline."""
+        reads the body (or not) within the transfer deadline, which starts here: every
+        hop's head, retry and wait for a slot counts against it.
+
+        ``beside`` (a checksum file beside its artifact): the request takes no slot of
+        its own, since that transfer holds one; were it to wait for one, an artifact
+        holding the host's last slot would wait for its own checksums until it failed.
+        """
         deadline = time.monotonic() + self.settings.transfer_timeout_s
         url = self.policy.without_credentials(url)
         for _hop in range(MAX_REDIRECTS + 1):
             host = urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
-            async with self.pool.slot(host):
-                response = await self._send(method, url, headers)
-                location = response.headers.get("location")
+            slot = self.pool.slot(host) if beside is None else contextlib.nullcontext()
+            async with slot:
+                response = await self._send(method, url, headers, deadline)
+                location = response.extensions.get(LOCATION_EXTENSION)
                 if response.status_code in REDIRECT_STATUSES and location:
                     await response.aclose()
                     try:
@@ -187,20 +220,26 @@ class Upstream:
                     if response.status_code == 303 and method != "HEAD":
                         method = "GET"
                     continue
+                answer = UpstreamAnswer(response, url, self, deadline)
                 try:
-                    yield UpstreamAnswer(response, url, self, deadline)
+                    yield answer
                 finally:
+                    answer.release()
                     await response.aclose()
                 return
         raise UpstreamUnavailable(f"upstream redirected more than {MAX_REDIRECTS} times: {url}")
 
     async def _send(
-        self, method: str, url: str, headers: Mapping[str, str] | None
+        self, method: str, url: str, headers: Mapping[str, str] | None, deadline: float
     ) -> httpx.Response:
         host = urlsplit(url).netloc.rsplit("@", 1)[-1]
         attempt = 0
         while True:
-            target = await self.policy.vet(url)
+            try:
+                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                    target = await self.policy.vet(url)  # may resolve a name
+            except TimeoutError:
+                raise self._past_deadline(host, "resolving its name") from None
             request_headers = dict(headers or {})
             if target.host_header is not None:
                 request_headers["Host"] = target.host_header
@@ -209,14 +248,18 @@ class Upstream:
                 request = self.pool.client.build_request(
                     method, target.url, headers=request_headers, extensions=extensions
                 )
-            except (httpx.HTTPError, ValueError) as exc:  # e.g. a header we cannot encode
+            except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+                # e.g. a header or a name we cannot encode (UnicodeError is a ValueError)
                 raise UpstreamUnavailable(f"cannot ask upstream {host}: {exc}") from exc
             head_timeout_s = self.settings.connect_timeout_s + self.settings.read_timeout_s
+            head_deadline = min(time.monotonic() + head_timeout_s, deadline)
             try:
                 # The whole response head, however slowly it trickles in.
-                async with asyncio.timeout(head_timeout_s):
+                async with asyncio.timeout_at(_loop_deadline(head_deadline)):
                     response = await self.pool.client.send(request, stream=True)
             except TimeoutError as exc:
+                if head_deadline >= deadline:
+                    raise self._past_deadline(host, "waiting for a response head") from exc
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
                 raise UpstreamTimeout(
                     f"upstream {host} sent no complete response head within "
@@ -228,7 +271,7 @@ class Upstream:
                     self.settings.retries
                 ):
                     attempt += 1
-                    await asyncio.sleep(_backoff_s(attempt))
+                    await self._pause(_backoff_s(attempt), host, deadline)
                     continue
                 raise UpstreamTimeout(f"upstream {host} timed out ({type(exc).__name__})") from exc
             except httpx.TransportError as exc:
@@ -237,20 +280,22 @@ class Upstream:
                     self.settings.retries
                 ):
                     attempt += 1
-                    await asyncio.sleep(_backoff_s(attempt))
+                    await self._pause(_backoff_s(attempt), host, deadline)
                     continue
                 raise UpstreamUnavailable(f"upstream {host} unreachable: {exc!r}") from exc
-            except httpx.HTTPError as exc:  # e.g. InvalidURL
+            except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+                # httpx.InvalidURL is no HTTPError; idna's errors are ValueErrors.
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="protocol").inc()
                 raise UpstreamUnavailable(f"upstream {host}: {exc}") from exc
             if response.status_code not in RETRY_STATUSES:
                 return response
             metrics.UPSTREAM_ERRORS.labels(host=host, reason=str(response.status_code)).inc()
-            retry_after = _retry_after_s(response.headers.get("retry-after"))
+            retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
             await response.aclose()
             if attempt < self.settings.retries:
                 attempt += 1
-                await asyncio.sleep(min(retry_after or _backoff_s(attempt), RETRY_AFTER_MAX_S))
+                wait_s = min(retry_after or _backoff_s(attempt), RETRY_AFTER_MAX_S)
+                await self._pause(wait_s, host, deadline)
                 continue
             status = 503 if response.status_code in (429, 503) else 502
             raise UpstreamUnavailable(
@@ -258,6 +303,19 @@ class Upstream:
                 status=status,
                 retry_after_s=retry_after,
             )
+
+    async def _pause(self, wait_s: float, host: str, deadline: float) -> None:
+        """Wait before a retry, unless the transfer deadline comes first."""
+        if time.monotonic() + wait_s >= deadline:
+            raise self._past_deadline(host, "retrying")
+        await asyncio.sleep(wait_s)
+
+    def _past_deadline(self, host: str, doing: str) -> UpstreamTimeout:
+        metrics.UPSTREAM_ERRORS.labels(host=host, reason="deadline").inc()
+        return UpstreamTimeout(
+            f"upstream {host} did not finish within upstream.transfer_timeout "
+            f"({format_duration(self.settings.transfer_timeout_s)}): still {doing}"
+        )
 
 
 class UpstreamAnswer:
@@ -271,6 +329,7 @@ class UpstreamAnswer:
         self._upstream = upstream
         self._deadline = deadline
         self._headers = clean_headers(response.headers)
+        self._held = 0  # bytes of the process's budget this answer's body holds
 
     @property
     def status(self) -> int:
@@ -349,8 +408,11 @@ class UpstreamAnswer:
             )
 
     async def read(self, limit: int) -> bytes:
-        """The whole body, refusing more than ``limit`` bytes; held against the process's
-        budget for bodies in memory while it is read."""
+        """The whole body, refusing more than ``limit`` bytes. It is held against the
+        process's budget for bodies in memory until this answer is closed (its ``open``
+        ends), so what the caller does with it meanwhile (an index page waiting for its
+        parse, and parsed) counts as well (``BUDGET_BYTES_PER_BODY_BYTE``): a burst of
+        big pages waits to be read instead of piling up in memory."""
         expected = self.length
         if expected is not None and expected > limit:
             raise UpstreamUnavailable(
@@ -359,21 +421,36 @@ class UpstreamAnswer:
             )
         budget = self._upstream.pool.budget
         wait_s = self._upstream.settings.read_timeout_s
-        reserved = 0
+        received = 0
         chunks = []
         try:
-            async for chunk in self.body():
-                if reserved + len(chunk) > limit:
+            if expected is not None:
+                # All at once: readers that each hold part of what they need could
+                # wait for each other until they all fail.
+                wanted = min(expected * BUDGET_BYTES_PER_BODY_BYTE, budget.capacity)
+                await budget.take(wanted, wait_s)
+                self._held = wanted
+            async for chunk in self.body():  # never more than ``expected``
+                received += len(chunk)
+                if received > limit:
                     raise UpstreamUnavailable(
                         f"upstream body for {self._url} exceeds the {format_size(limit)} limit"
                     )
-                await budget.take(len(chunk), wait_s)
-                reserved += len(chunk)
+                if expected is None:
+                    more = len(chunk) * BUDGET_BYTES_PER_BODY_BYTE
+                    more = min(more, budget.capacity - self._held)
+                    await budget.take(more, wait_s)
+                    self._held += more
                 chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            # The caller now owns the bytes; the budget bounds what is still arriving.
-            await budget.give(reserved)
+        except BaseException:
+            self.release()
+            raise
+        return b"".join(chunks)
+
+    def release(self) -> None:
+        """Give the body's bytes back to the budget (when the answer is closed)."""
+        held, self._held = self._held, 0
+        self._upstream.pool.budget.give(held)
 
 
 def clean_headers(headers: httpx.Headers) -> dict[str, str]:
@@ -410,17 +487,6 @@ def _loop_deadline(monotonic_deadline: float) -> float:
 def _backoff_s(attempt: int) -> float:
     base_s: float = min(BACKOFF_BASE_S * 2.0 ** (attempt - 1), BACKOFF_MAX_S)
     return base_s * random.uniform(0.5, 1.0)
-
-
-def _retry_after_s(value: str | None) -> float | None:
-    if not value:
-        return None
-    if value.isascii() and value.isdigit():
-        return float(value)
-    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
-        when = parsedate_to_datetime(value)
-        return max(0.0, float(when.timestamp()) - time.time())
-    return None
 
 
 __all__ = ["Upstream", "UpstreamAnswer", "UpstreamError", "UpstreamPool", "build_client"]

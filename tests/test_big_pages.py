@@ -9,6 +9,7 @@ bench/big_pages.py prints the real figures.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -137,3 +138,38 @@ def _fetch_during_hits(
         time.sleep(0.02)
     page.join(5)
     return slowest_hit, peak_rss, result[0]
+
+
+def test_sigterm_does_not_wait_for_a_page_being_parsed(tmp_path: Path) -> None:
+    # 120 KB of "<a " takes CPython's HTMLParser minutes; a thread busy with it held
+    # the process's exit that long. In a child process it is killed at shutdown.
+    index = HostileUpstream()
+    index.routes["/simple/evil/"] = hostile.ok(b"<a " * 40_000, b"text/html")
+    index.start()
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [upstream]
+        parse_timeout = "10m"
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "{index.base_url}/simple/"
+        """,
+    )
+    proxy = ProxyProcess(config, tmp_path, "parsing").start().wait_ready()
+    try:
+        threading.Thread(
+            target=lambda: httpx.get(proxy.url + "/pypi/simple/evil/", timeout=120), daemon=True
+        ).start()
+        deadline = time.monotonic() + 30
+        while index.requests["/simple/evil/"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the page is read and handed to its parser
+        proxy.signal(signal.SIGTERM)
+        assert proxy.wait(20) in (0, -signal.SIGTERM), proxy.log()[-2000:]
+    finally:
+        proxy.stop()
+        index.stop()

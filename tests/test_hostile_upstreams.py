@@ -20,7 +20,10 @@ import pytest
 from proxy.catalog import Entry, open_catalog
 from proxy.clock import SYSTEM_CLOCK
 from proxy.config import load
+from proxy.exceptions import UpstreamUnavailable
+from proxy.settings import UpstreamSettings
 from proxy.types import Kind
+from proxy.upstream import BUDGET_BYTES_PER_BODY_BYTE, ByteBudget, UpstreamPool
 from tests import hostile
 from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.hostile import HostileUpstream, head
@@ -98,6 +101,32 @@ def test_a_trickling_response_head_fails_within_connect_plus_read_timeout(
     response = httpx.get(proxy.url + "/evil/head.bin", timeout=30)
     assert response.status_code == 504 and "response head" in response.text
     assert time.monotonic() - started < 10
+
+
+def test_transfer_timeout_covers_every_redirect_hop_and_head(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    # Each hop's head trickles in over 1.5 s, within the 3 s head timeout; without a
+    # deadline across hops, eleven of them would hold the transfer (and a slot) 16 s.
+    def slow_redirect(location: bytes) -> hostile.Behaviour:
+        async def send(writer: asyncio.StreamWriter, request: hostile.Request) -> None:
+            answer = head(302, [(b"location", location), (b"content-length", b"0")])
+            for start in range(0, len(answer), 8):
+                writer.write(answer[start : start + 8])
+                await writer.drain()
+                await asyncio.sleep(1.5 / (len(answer) / 8))
+
+        return send
+
+    for hop in range(11):
+        evil.routes[f"/h{hop}"] = slow_redirect(b"/h%d" % min(hop + 1, 10))
+    transfer_2s = FAST_FAIL + 'transfer_timeout = "2s"\n'
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("evil", evil.base_url), transfer_2s)
+    response = httpx.get(proxy.url + "/evil/h0", timeout=60)
+    assert response.status_code == 504 and "upstream.transfer_timeout" in response.text, (
+        response.text
+    )
+    assert sum(evil.requests.values()) <= 2
 
 
 def test_stuck_transfers_to_one_upstream_never_starve_another(
@@ -227,6 +256,76 @@ def test_json_nested_too_deeply_is_a_502(pypi_proxy: ServerThread, upstream: Fak
         headers={"Accept": "application/vnd.pypi.simple.v1+json"},
     )
     assert response.status_code == 502 and "nested too deeply" in response.text
+
+
+@pytest.mark.parametrize("accept", ["text/html", "application/vnd.pypi.simple.v1+json"])
+def test_json_pages_with_lone_surrogates_render_without_them(
+    pypi_proxy: ServerThread, upstream: FakeUpstream, accept: str
+) -> None:
+    json_type = "application/vnd.pypi.simple.v1+json"
+    files = [
+        {"filename": "sur-1.0.tar.gz", "url": "/x/sur-1.0.tar.gz", "hashes": {}},
+        {"filename": "sur-\ud800.tar.gz", "url": "/x/a.tar.gz", "hashes": {}},
+    ]
+    pages = {
+        "/simple/sur/": {"name": "sur", "files": files},
+        "/simple/surname/": {"name": "\ud800", "files": files[:1]},
+        "/simple/": {"projects": [{"name": "sur"}, {"name": "\udc00x"}]},
+    }
+    for path, page in pages.items():
+        upstream.files[path] = json.dumps({"meta": {"api-version": "1.0"}, **page}).encode()
+        upstream.content_types[path] = json_type
+    for path in pages:
+        answer = httpx.get(pypi_proxy.url + "/pypi" + path, headers={"Accept": accept})
+        assert answer.status_code == 200 and "sur" in answer.text, answer.text
+        assert "\\ud800" not in answer.text and "\\udc00" not in answer.text
+
+
+def test_pages_the_parser_cannot_read_are_a_502(
+    pypi_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    # CPython's HTMLParser raises AssertionError on an unknown marked section.
+    upstream.files["/simple/marked/"] = b"<html><![foo[ x ]]><a href='a.whl'>a.whl</a>"
+    upstream.content_types["/simple/marked/"] = "text/html"
+    answer = httpx.get(pypi_proxy.url + "/pypi/simple/marked/")
+    assert answer.status_code == 502 and "not a simple index" in answer.text, answer.text
+
+
+def test_pages_that_take_too_long_to_parse_are_stopped_and_starve_nothing(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    # 120 KB of "<a " takes CPython's HTMLParser minutes (quadratic): with no deadline
+    # two of them held both parse threads, and every other page waited behind them.
+    quadratic = b"<a " * 40_000
+    evil.routes["/simple/evil1/"] = hostile.ok(quadratic, b"text/html")
+    evil.routes["/simple/evil2/"] = hostile.ok(quadratic, b"text/html")
+    evil.routes["/simple/good/"] = hostile.ok(
+        b'<a href="/p/good-1.0.tar.gz">good-1.0.tar.gz</a>', b"text/html"
+    )
+    repos = f"""
+    [[repositories]]
+    name = "pypi"
+    format = "pypi"
+    upstream = "{evil.base_url}/simple/"
+    """
+    limits = FAST_FAIL + 'parse_timeout = "3s"\n'
+    proxy = proxy_for(tmp_path, start_proxy, repos, limits)
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as client:
+            evils = [asyncio.create_task(client.get(f"/pypi/simple/evil{i}/")) for i in (1, 2)]
+            for _ in range(600):  # until both are asked for
+                if evil.requests["/simple/evil1/"] and evil.requests["/simple/evil2/"]:
+                    break
+                await asyncio.sleep(0.05)
+            good = await client.get("/pypi/simple/good/")
+            assert all(not task.done() for task in evils), "the evil pages are still parsed"
+            return [good, *await asyncio.gather(*evils)]
+
+    good, *evils = asyncio.run(scenario())
+    assert good.status_code == 200 and "good-1.0.tar.gz" in good.text
+    for answer in evils:
+        assert answer.status_code == 502 and "took too long to parse" in answer.text
 
 
 def test_index_pages_over_the_limit_are_refused(
@@ -433,3 +532,143 @@ def test_zero_length_entries_have_no_satisfiable_range(
     assert httpx.get(proxy.url + "/r/empty.txt").content == b""
     response = httpx.get(proxy.url + "/r/empty.txt", headers={"Range": "bytes=-1"})
     assert response.status_code == 416 and response.headers["content-range"] == "bytes */0"
+
+
+def test_dates_past_any_clock_are_ignored_not_a_500(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    absurd = b"Mon, 01 Jan 9999999999 00:00:00 GMT"
+    evil.routes["/odd"] = hostile.ok(b"ok", extra=[(b"last-modified", absurd)])
+    evil.routes["/plain"] = hostile.ok(b"fine")
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("raw", evil.base_url))
+    assert httpx.get(proxy.url + "/raw/odd").status_code == 200
+    since_2000 = {"if-modified-since": "Sat, 01 Jan 2000 00:00:00 GMT"}
+    assert httpx.get(proxy.url + "/raw/odd", headers=since_2000).status_code == 200
+    for condition in ("if-modified-since", "if-unmodified-since"):
+        answer = httpx.get(proxy.url + "/raw/plain", headers={condition: absurd.decode()})
+        assert answer.status_code == 200 and answer.content == b"fine", answer.text
+
+
+@pytest.mark.parametrize("retry_after", [b"9" * 400, b"99999999999", b"-3", b"0"])
+def test_retry_after_from_an_upstream_is_passed_on_within_a_minute(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, retry_after: bytes
+) -> None:
+    busy = head(503, [(b"retry-after", retry_after), (b"content-length", b"0")])
+    evil.routes["/busy"] = hostile.raw(busy, then_close=False)
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("raw", evil.base_url))
+    answer = httpx.get(proxy.url + "/raw/busy")
+    assert answer.status_code == 503, answer.text
+    assert 1 <= int(answer.headers["retry-after"]) <= 60
+
+
+@pytest.mark.parametrize(
+    ("location", "named"),
+    [
+        ("data:text/plain,hello", "data:text/plain,hello"),
+        ("http://xn--zz-zzzzzzzzzzzzzzzzz.invalid/x", "xn--zz-zzzzzzzzzzzzzzzzz"),  # bad IDNA
+        ("http://\u00e9\u0301.invalid/x", ".invalid"),
+        ("http://[::1/x", "http://[::1/x"),
+    ],
+)
+def test_redirects_to_unusable_locations_are_a_502_naming_them(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, location: str, named: str
+) -> None:
+    evil.routes["/hop"] = hostile.redirect(location)
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("raw", evil.base_url))
+    answer = httpx.get(proxy.url + "/raw/hop")
+    assert answer.status_code == 502 and named in answer.text, answer.text
+
+
+def _slow_body(body: bytes, seconds: float) -> hostile.Behaviour:
+    async def send(writer: asyncio.StreamWriter, request: hostile.Request) -> None:
+        writer.write(head(200, [(b"content-length", b"%d" % len(body))]))
+        for start in range(0, len(body), 10):
+            writer.write(body[start : start + 10])
+            await writer.drain()
+            await asyncio.sleep(seconds / (len(body) / 10))
+
+    return send
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_checksum_files_never_wait_for_the_slot_their_artifact_holds(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream, slots: int
+) -> None:
+    # As many artifacts as the host has slots, each body slower than connect_timeout
+    # (how long a request waits for a slot): their checksum files must still be read.
+    paths = [f"/org/example/lib{i}/1.0/lib{i}-1.0.jar" for i in range(slots)]
+    for i, path in enumerate(paths):
+        body = b"jar %d " % i * 10
+        evil.routes[path] = _slow_body(body, 2.0)
+        evil.routes[path + ".sha1"] = hostile.ok(hashlib.sha1(body).hexdigest().encode())
+    limits = FAST_FAIL.replace("max_connections = 4", f"max_connections = {slots}")
+    limits = limits.replace('min_rate = "1KiB/s"', 'min_rate = "1B/s"')
+    proxy = proxy_for(tmp_path, start_proxy, maven_repo(evil.base_url), limits)
+
+    async def fetch_all() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            answers = await asyncio.gather(*(client.get(proxy.url + "/maven" + p) for p in paths))
+        return [a.status_code for a in answers]
+
+    assert asyncio.run(fetch_all()) == [200] * slots
+    for path in paths:  # stored (verified): the checksum is answered from the entry
+        assert httpx.get(proxy.url + "/maven" + path + ".sha1").status_code == 200
+        assert evil.requests[path] == 1
+
+
+def test_a_body_read_whole_stays_in_the_budget_until_its_answer_is_closed(
+    evil: HostileUpstream,
+) -> None:
+    # An index page is read whole, then waits for and goes through its parse: all that
+    # time it is in memory. Twelve 22 MB pages queued for the parse took the server
+    # from 45 to 800 MiB while the budget (256 MiB) counted only the reading.
+    evil.routes["/page"] = hostile.ok(b"p" * 100_000)
+    evil.routes["/huge"] = hostile.ok(b"h" * 300_000)
+
+    async def scenario() -> None:
+        pool = UpstreamPool(UpstreamSettings())
+        budget = pool.budget
+        upstream = pool.for_repository("r", (evil.base_url + "/",))
+        try:
+            async with upstream.open("GET", evil.base_url + "/page") as answer:
+                body = await answer.read(1 << 20)
+                # The body, and what its parse makes of it (as large again, and more).
+                held = len(body) * BUDGET_BYTES_PER_BODY_BYTE
+                assert budget.available == budget.capacity - held
+            assert budget.available == budget.capacity
+            with pytest.raises(UpstreamUnavailable, match="limit"):
+                async with upstream.open("GET", evil.base_url + "/huge") as answer:
+                    await answer.read(200_000)
+            assert budget.available == budget.capacity
+        finally:
+            await pool.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_body_of_known_length_waits_for_its_whole_share_of_the_budget(
+    evil: HostileUpstream,
+) -> None:
+    # Readers that each took part of what they needed waited for each other until all
+    # of them failed: 24 concurrent 22 MB pages against 256 MiB all ended in a 503.
+    evil.routes["/page"] = hostile.ok(b"p" * 200_000)
+    held = 200_000 * BUDGET_BYTES_PER_BODY_BYTE
+
+    async def scenario() -> None:
+        pool = UpstreamPool(UpstreamSettings(read_timeout_s=30))
+        budget = pool.budget = ByteBudget(held + 100_000)
+        await budget.take(200_000, 1)  # another page, being parsed
+        upstream = pool.for_repository("r", (evil.base_url + "/",))
+        try:
+            async with upstream.open("GET", evil.base_url + "/page") as answer:
+                reading = asyncio.create_task(answer.read(1 << 20))
+                await asyncio.sleep(0.5)
+                assert not reading.done() and budget.available == held - 100_000
+                budget.give(200_000)
+                assert len(await reading) == 200_000
+                assert budget.available == 100_000
+            assert budget.available == budget.capacity
+        finally:
+            await pool.aclose()
+
+    asyncio.run(scenario())

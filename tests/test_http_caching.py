@@ -57,6 +57,12 @@ def test_cache_control_follows_what_the_answer_is(
     assert "110" in stale.headers["warning"] and stale.headers["cache-control"] == "no-cache"
     upstream.clear_faults()
 
+    for path in ("/pypi/simple", "/pypi/simple/Alpha/", "/pypi/simple/alpha"):
+        moved = httpx.get(url + path)  # a name normalized: the same answer every time
+        assert (
+            moved.status_code == 301 and moved.headers["cache-control"] == "public, max-age=86400"
+        )
+
     missing = httpx.get(url + "/pypi/simple/nothing-here/")
     assert missing.status_code == 404 and missing.headers["cache-control"] == "no-store"
     bad = httpx.get(url + "/pypi/simple/bad%20name/")

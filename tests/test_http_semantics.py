@@ -13,6 +13,8 @@ from proxy.http_semantics import (
     modified_after,
     not_modified_since,
     parse_range,
+    parse_retry_after,
+    retry_after_header,
 )
 
 
@@ -78,6 +80,51 @@ def test_dates() -> None:
     assert not_modified_since(stamp, later) and not_modified_since(stamp, stamp)
     assert not not_modified_since(later, stamp)
     assert modified_after(later, stamp) and not modified_after(stamp, stamp)
-    for garbage in (None, "", "yesterday", "Mon, 99 Foo 2024"):
+    for garbage in (
+        None,
+        "",
+        "yesterday",
+        "Mon, 99 Foo 2024",
+        ABSURD_DATE,
+        "Mon, 01 Jan 99999 0:0:0",
+    ):
         assert not not_modified_since(stamp, garbage)
         assert not modified_after(stamp, garbage)
+        # A stored Last-Modified that came from an upstream is no better.
+        assert not not_modified_since(str(garbage), later)
+        assert not modified_after(str(garbage), later)
+
+
+# A year past what a C time_t holds: parsedate_to_datetime raises OverflowError.
+ABSURD_DATE = "Mon, 01 Jan 9999999999 00:00:00 GMT"
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (None, None),
+        ("", None),
+        ("soon", None),
+        ("0", 1.0),
+        ("7", 7.0),
+        ("99999999999", 60.0),
+        ("9" * 400, 60.0),  # float() of it is inf
+        ("Sat, 01 Jan 2000 00:00:00 GMT", 1.0),  # in the past
+        ("Sat, 01 Jan 2000 00:00:30 GMT", 30.0),
+        (ABSURD_DATE, None),  # unreadable: ignored
+    ],
+)
+def test_retry_after_is_read_within_a_sane_range(header: str | None, expected: object) -> None:
+    now_s = 946_684_800.0  # 2000-01-01 00:00:00
+    assert parse_retry_after(header, now_s) == expected
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [(None, "5"), (0.0, "1"), (2.5, "3"), (59.9, "60"), (1e12, "60"), (float("inf"), "60")],
+)
+def test_retry_after_sent_is_whole_seconds_within_a_sane_range(
+    seconds: float | None, expected: str
+) -> None:
+    assert retry_after_header(seconds) == expected
+    assert retry_after_header(float("nan")) == "5"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +19,7 @@ from proxy.exceptions import ConfigError
 from proxy.formats import simple_index as si
 from proxy.formats.maven import ArtifactVersions, parse_metadata, select_versions
 from proxy.formats.pypi import select_files
+from proxy.progress import MirrorProgress
 from proxy.purls import parse_purl
 from proxy.sbom import purls_in_sbom
 from tests.conftest import write_config
@@ -320,3 +322,46 @@ async def test_an_sbom_drives_a_mirror(tmp_path: Path, upstream: FakeUpstream) -
         assert upstream.count("/m2/org/example/lib/2.0/lib-2.0.jar") == 1
         (tmp_path / "sbom.cdx.json").write_text("{not json")
         assert "1 failed" in await job.run()  # a broken SBOM is one failed item
+
+
+def test_hostile_sboms_are_clean_errors() -> None:
+    deep_list = b"[" * 100_000 + b"]" * 100_000
+    deep_bom = b'{"bomFormat": "CycloneDX", "components": ' + b'[{"components": ' * 50_000
+    deep_bom += b"[]" + b"}]" * 50_000 + b"}"
+    for hostile in (deep_list, deep_bom):
+        with pytest.raises(ValueError, match="nested too deeply"):
+            purls_in_sbom(hostile)
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_escapes_labels_a_terminal_should_not_get(tty: bool) -> None:
+    # A purl from an SBOM is anything: a lone surrogate cannot be written to a UTF-8
+    # stream at all, and escape sequences would rewrite the operator's terminal.
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+    progress = MirrorProgress(out, tty)
+    progress.planned(2)
+    progress.done("pkg:pypi/\ud800", "failed", 0)
+    progress.done("pkg:pypi/\x1b[2Jwiped", "failed", 0)
+    progress.finish()
+    text = raw.getvalue().decode("utf-8")
+    assert "\\ud800" in text and "\\x1b[2Jwiped" in text and "\x1b" not in text
+
+
+@pytest.mark.anyio
+async def test_a_hostile_sbom_fails_alone_and_the_packages_still_run(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    add_pypi_project(upstream)
+    (tmp_path / "sbom.cdx.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    extra = """
+    [[mirrors]]
+    name = "nightly"
+    sbom = "sbom.cdx.json"
+    packages = ["pkg:pypi/demo@2.0"]
+    """
+    async with mirror_engine(tmp_path, upstream, extra) as engine:
+        job = next(j for j in engine.jobs() if j.name == "mirror:nightly")
+        line = await job.run()
+        assert line.startswith("1 fetched") and "1 failed" in line
+        assert upstream.count("/packages/demo-2.0.tar.gz") == 1

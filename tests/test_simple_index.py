@@ -118,3 +118,26 @@ def test_render_round_trip() -> None:
     assert data["meta"]["api-version"] == "1.0"  # no sizes: 1.1 is not promised
     assert data["files"][0]["url"] == "../../files/a/a-1.0.tar.gz"
     assert si.file_href("a", "a b#c.whl") == "../../files/a/a%20b%23c.whl"
+
+
+def test_json_text_that_is_not_unicode_text_is_dropped() -> None:
+    # A lone surrogate ("\ud800") is valid JSON but no character: it can be neither
+    # quoted into a URL nor encoded as UTF-8, so rendering any page holding it failed.
+    files = [
+        {"filename": "ok-1.0.tar.gz", "url": "/x/ok-1.0.tar.gz", "hashes": {}},
+        {"filename": "bad-\ud800.tar.gz", "url": "/x/a.tar.gz", "hashes": {}},
+        {"filename": "bad-2.0.tar.gz", "url": "/x/\udc00.tar.gz", "hashes": {}},
+        {"filename": "bad-3.0.tar.gz", "url": "/x/b.tar.gz", "requires-python": "\ud800"},
+        {"filename": "bad-4.0.tar.gz", "url": "/x/c.tar.gz", "yanked": "why \udfff"},
+    ]
+    body = json.dumps({"name": "\ud800", "files": files, "versions": ["1.0", "\ud800"]})
+    page = si.parse_project(body.encode(), si.JSON_V1, "http://u/simple/ok/", "ok")
+    assert page.name == "ok" and page.versions == ["1.0"]
+    assert [f.filename for f in page.files] == ["ok-1.0.tar.gz"]
+    for representation in ("json", "html"):
+        assert b"ok-1.0.tar.gz" in si.render_project(page, "ok", representation)
+    root = json.dumps({"projects": [{"name": "ok"}, {"name": "\udc00x"}]}).encode()
+    parsed = si.parse_root(root, si.JSON_V1)
+    assert parsed.projects == ["ok"]
+    for representation in ("json", "html"):
+        assert b"ok" in si.render_root(parsed, representation)

@@ -34,6 +34,15 @@ pytestmark = pytest.mark.anyio
         ("::ffff:127.0.0.1", "loopback"),  # IPv4-mapped
         ("::ffff:169.254.169.254", "cloud metadata"),
         ("2002:7f00:1::", "loopback"),  # 6to4 of 127.0.0.1
+        ("64:ff9b::7f00:1", "loopback"),  # NAT64 (RFC 6052) of 127.0.0.1
+        ("64:ff9b::a9fe:a9fe", "cloud metadata"),
+        ("64:ff9b::808:808", None),  # NAT64 of a public address: DNS64 networks need it
+        ("64:ff9b:1::808:808", "private"),  # local-use NAT64 (RFC 8215)
+        ("::7f00:1", "loopback"),  # IPv4-compatible ::127.0.0.1
+        ("::a00:1", "private"),  # ::10.0.0.1
+        ("::ffff:0:7f00:1", "loopback"),  # IPv4-translated (SIIT) ::ffff:0:127.0.0.1
+        ("::ffff:0:a9fe:a9fe", "cloud metadata"),
+        ("fec0::1", "site-local"),
         ("8.8.8.8", None),
         ("2001:4860:4860::8888", None),
     ],
@@ -59,6 +68,10 @@ async def test_configured_upstreams_are_trusted_as_written() -> None:
         "http://0x7f.1/x",
         "http://[::1]/x",
         "http://[::ffff:7f00:1]/x",
+        "http://[64:ff9b::7f00:1]/x",
+        "http://[::127.0.0.1]/x",
+        "http://[::ffff:0:127.0.0.1]/x",
+        "http://[fec0::1]/x",
         "ftp://example.org/x",
         "http:///x",
         "http://h:99999/x",

@@ -127,6 +127,12 @@ def test_readyz_names_the_free_space_floor(tmp_path: Path) -> None:
                 time.sleep(0.05)
         assert answer is not None and answer.status_code == 503
         assert "under storage.min_free (1000TB)" in answer.text, answer.text
+        # What a load balancer asks: the volume is the same for every replica, so it
+        # must not take them all out of rotation (cached hits are still served).
+        local = httpx.get(f"http://127.0.0.1:{port}/readyz?scope=local", timeout=10)
+        assert local.status_code == 200 and local.text.startswith("ready"), local.text
+        odd = httpx.get(f"http://127.0.0.1:{port}/readyz?scope=nodes", timeout=10)
+        assert odd.status_code == 400 and "scope" in odd.text
     finally:
         process.terminate()
         process.wait(timeout=30)

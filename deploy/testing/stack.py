@@ -262,6 +262,7 @@ class Stack:
         self.lb_port = free_port()
         self.proxy1_port = free_port()
         self.prometheus_port = free_port()
+        self.gradle_password = secrets.token_hex(12)  # deploy/proxy.toml's user `ci`
         self.env = {
             **os.environ,
             "PROXY_IMAGE": image,
@@ -271,6 +272,7 @@ class Stack:
             "PROMETHEUS_PORT": str(self.prometheus_port),
             "DEPLOY_TEST_PROXY1_PORT": str(self.proxy1_port),
             "DEPLOY_TEST_FILES": str(self.files),
+            "GRADLE_CACHE_CI_PASSWORD": self.gradle_password,
         }
         self.lb = f"http://127.0.0.1:{self.lb_port}"
         self.proxy1 = f"http://127.0.0.1:{self.proxy1_port}"

@@ -332,7 +332,9 @@ class MavenOrigin:
             checksums: asyncio.Task[Digests] | None = None
             if self.verify:
                 # Fetched beside the body; awaited when the body is complete.
-                checksums = asyncio.ensure_future(self._upstream_checksums(ctx.upstream, base))
+                checksums = asyncio.ensure_future(
+                    self._upstream_checksums(ctx.upstream, base, response)
+                )
                 checksums.add_done_callback(_retrieve_exception)
                 stack.callback(checksums.cancel)
 
@@ -348,8 +350,13 @@ class MavenOrigin:
                 validators=validators,
             )
 
-    async def _upstream_checksums(self, upstream: UpstreamClient, base: str) -> Digests:
+    async def _upstream_checksums(
+        self, upstream: UpstreamClient, base: str, artifact: UpstreamResponse
+    ) -> Digests:
         """The strongest checksum the upstream publishes for the file, as Resolver uses it.
+
+        The checksum files ride on the slot the ``artifact``'s transfer holds (``beside``):
+        they are read while its body arrives, and must not wait for a slot it may hold.
 
         A sidecar that is missing (404) or garbled counts as absent (old repositories
         carry some wrong .md5 files beside good .sha1 files). If none is usable: when
@@ -362,7 +369,7 @@ class MavenOrigin:
         async def one(extension: str, algorithm: str) -> str | None:
             url = base + self.path + extension
             try:
-                async with upstream.open("GET", url) as response:
+                async with upstream.open("GET", url, beside=artifact) as response:
                     if response.status in NOT_FOUND_STATUSES:
                         return None
                     if response.status != 200:

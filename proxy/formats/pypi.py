@@ -43,6 +43,7 @@ from proxy.contract import (
     Response,
     Size,
     Status,
+    UpstreamError,
     UpstreamUnavailable,
     Urls,
     Validators,
@@ -231,8 +232,9 @@ def select_files(
 class IndexOrigin:
     """Fetches one upstream index page, records its links, renders our page.
 
-    Parsing and rendering run in ``ctx.compute``'s threads: a root page of 600,000
-    projects or a project page of 100,000 files must not stall the event loop.
+    Parsing and rendering run in ``ctx.compute`` (a child process for all but tiny
+    pages, with a deadline): a root page of 600,000 projects or a project page of
+    100,000 files must not stall the event loop, a hostile page must not take forever.
     """
 
     def __init__(
@@ -268,6 +270,7 @@ class IndexOrigin:
                 raise UpstreamUnavailable(f"upstream index answered {status} for {self.url}")
             body = await response.read(self.max_size)
             content_type = response.headers.get("content-type", "text/html").lower()
+            links = None
             try:
                 if self.project is None:
                     rendered = await ctx.compute(
@@ -283,11 +286,23 @@ class IndexOrigin:
                         self.project,
                         self.representation,
                     )
-                    await ctx.links.record(links)
             except si.IndexFormatError as exc:
                 raise UpstreamUnavailable(
                     f"upstream page {self.url} is not a simple index: {exc}"
                 ) from exc
+            except UpstreamError:
+                raise  # the parse itself failed (took too long, its process died)
+            except Exception as exc:
+                # Input the parser or renderer did not foresee (e.g. CPython's HTMLParser
+                # asserts on "<![foo["): the page is refused, and the traceback logged,
+                # since it may be a bug of ours.
+                log.exception("cannot parse or render upstream page %s", self.url)
+                raise UpstreamUnavailable(
+                    f"upstream page {self.url} is not a simple index we can read "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
+            if links is not None:
+                await ctx.links.record(links)
             yield Fetched(
                 Status.OK,
                 body=_one_chunk(rendered),
@@ -310,7 +325,7 @@ def _project_page(
     representation: str,
 ) -> tuple[bytes, LinkBatch]:
     """Our rendering of an upstream project page, and the links to record (runs in
-    ``ctx.compute``: a thread, or a child process for a large page)."""
+    ``ctx.compute``: a thread for a tiny page, else a child process)."""
     page = si.parse_project(body, content_type, page_url, project)
     page.files = [f for f in page.files if _keep_file(f, project)]
     links = []

@@ -40,6 +40,9 @@ MAX_URL_CHARS = 8192
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _HEX_RE = re.compile(r"[0-9a-fA-F]{1,128}")  # used with fullmatch
 _HASH_NAMES = ("sha256", "sha512", "sha384", "sha224", "sha1", "md5")
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+# The string fields of a JSON file entry that end up in what we render or fetch.
+_FILE_TEXT_FIELDS = ("filename", "url", "requires-python", "yanked", "upload-time")
 
 
 def normalize(name: str) -> str:
@@ -171,7 +174,14 @@ def parse_root(body: bytes, content_type: str) -> RootPage:
         projects = data.get("projects")
         if not isinstance(projects, list):
             raise IndexFormatError("JSON root page has no 'projects' list")
-        return RootPage([p for p in projects if isinstance(p, _ProjectName)])
+        names: list[str] = [p for p in projects if isinstance(p, _ProjectName)]
+        if len(names) < len(projects):
+            log.warning(
+                "dropped %d entries without a project name (or not Unicode text) from a "
+                "JSON root page",
+                len(projects) - len(names),
+            )
+        return RootPage(names)
     parser = _AnchorTextParser()
     _feed(parser, body)
     return RootPage(parser.texts)
@@ -183,9 +193,15 @@ class _ProjectName(str):
 
 def _project_name_or_dict(pairs: list[tuple[str, Any]]) -> Any:
     for key, value in pairs:
-        if key == "name" and isinstance(value, str) and value:
+        if key == "name" and isinstance(value, str) and value and is_text(value):
             return _ProjectName(value)
     return dict(pairs)
+
+
+def is_text(value: str) -> bool:
+    """Is ``value`` Unicode text? JSON can carry lone surrogates ("\\ud800"), which are
+    no characters: they can be neither encoded as UTF-8 nor quoted into a URL."""
+    return value.isascii() or _SURROGATE_RE.search(value) is None
 
 
 class _AnchorTextParser(HTMLParser):
@@ -238,8 +254,12 @@ def _parse_project_json(body: bytes, page_url: str, name: str) -> ProjectPage:
     if not isinstance(raw_files, list):
         raise IndexFormatError("JSON project page has no 'files' list")
     files = []
+    not_text = 0
     for raw in raw_files:
         if not isinstance(raw, dict) or not isinstance(raw.get("url"), str):
+            continue
+        if not all(is_text(v) for v in map(raw.get, _FILE_TEXT_FIELDS) if isinstance(v, str)):
+            not_text += 1
             continue
         resolved = _resolve(page_url, raw["url"])
         if resolved is None:
@@ -263,12 +283,18 @@ def _parse_project_json(body: bytes, page_url: str, name: str) -> ProjectPage:
                 upload_time=_string(raw.get("upload-time")),
             )
         )
+    if not_text:
+        log.warning(
+            "dropped %d file links with text that is not Unicode (lone surrogates) from %s",
+            not_text,
+            page_url,
+        )
     versions = data.get("versions")
     page_name = data.get("name")
     return ProjectPage(
-        name=page_name if isinstance(page_name, str) and page_name else name,
+        name=page_name if isinstance(page_name, str) and page_name and is_text(page_name) else name,
         files=files,
-        versions=[v for v in versions if isinstance(v, str)]
+        versions=[v for v in versions if isinstance(v, str) and is_text(v)]
         if isinstance(versions, list)
         else None,
     )
