@@ -9,7 +9,9 @@ is set, a throttled upstream, and `proxy serve` replicas. Prints:
   time to first and to last byte per role (clients of the holder / of the waiting
   replicas), how long after the holder's first byte the waiters' first bytes came, and
   each replica's peak RSS;
-- a single 1 GiB miss from an unthrottled upstream: MB/s from first to last byte;
+- a single 1 GiB miss from an unthrottled upstream: MB/s from first to last byte, as
+  the VM's memory comes, then with --warm-gib of memory touched first (see
+  bench.common.warm_memory);
 - a waiter joining a running download: its first byte after its request, and its last
   byte after the holder's release of the lease (database clock), with NOTIFY and
   polling only;
@@ -39,6 +41,7 @@ from bench.common import (
     start_proxy,
     start_upstream,
     upstream_counts,
+    warm_memory,
     workdir,
 )
 from tests.pg import PostgresServer, create_database
@@ -186,23 +189,28 @@ async def one_miss_for_ninety(
     print(f"  peak RSS per replica (30 clients each): {rss} MiB")
 
 
-async def single_miss(url: str, work: Path, trials: int) -> None:
-    """One client, one 1 GiB miss, the upstream not throttled: the miss path's speed."""
-    rates = []
+async def single_miss(url: str, work: Path, trials: int, warm_gib: int) -> None:
+    """One client, one 1 GiB miss, the upstream not throttled: the miss path's speed,
+    into page cache as the VM gives it, then into memory touched just before."""
     async with httpx.AsyncClient(timeout=300) as client:
-        for i in range(trials):
-            name = f"solo{i}"
-            make_file(work / "fast" / name / f"{name}-1.0.tar.gz", GiB)
-            await client.get(f"{url}/pypi/simple/{name}/")
-            [(_, _, first, last)] = await timed_clients(
-                [f"{url}/pypi/files/{name}/{name}-1.0.tar.gz"]
+        for warm in (0, warm_gib) if warm_gib else (0,):
+            rates = []
+            for i in range(trials):
+                name = f"solo{warm}x{i}"
+                make_file(work / "fast" / name / f"{name}-1.0.tar.gz", GiB)
+                await client.get(f"{url}/pypi/simple/{name}/")
+                if warm:
+                    warm_memory(warm * GiB)
+                [(_, _, first, last)] = await timed_clients(
+                    [f"{url}/pypi/files/{name}/{name}-1.0.tar.gz"]
+                )
+                rates.append(GiB / (last - first + 1e-9) / MB)
+                (work / "fast" / name / f"{name}-1.0.tar.gz").unlink()
+            memory = f"{warm} GiB of memory touched first" if warm else "memory as it comes"
+            print(
+                f"single 1 GiB miss, one client, upstream unthrottled, {memory}: "
+                f"{', '.join(f'{r:.0f}' for r in rates)} MB/s (first to last byte)"
             )
-            rates.append(GiB / (last - first + 1e-9) / MB)
-            (work / "fast" / name / f"{name}-1.0.tar.gz").unlink()
-    print(
-        f"single 1 GiB miss, one client, upstream unthrottled: "
-        f"{', '.join(f'{r:.0f}' for r in rates)} MB/s (first to last byte)"
-    )
 
 
 async def wake_up_latency(
@@ -303,7 +311,7 @@ async def run(args: argparse.Namespace) -> None:
         processes.append(fast_proc)
         solo_proc, solo = start_proxy(config(work, "solo", db_url, fast, "15s"), work, "solo")
         processes.append(solo_proc)
-        await single_miss(solo, work, args.single_trials)
+        await single_miss(solo, work, args.single_trials, args.warm_gib)
         await wake_up_latency(db_url, urls[0], urls[1], work, args.trials, "NOTIFY")
         deaf_proc, deaf = start_proxy(
             config(work, "deaf", db_url, upstream, "15s", notify=False), work, "deaf"
@@ -334,6 +342,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--single-trials", type=int, default=3, help="1 GiB single misses")
+    parser.add_argument(
+        "--warm-gib", type=int, default=8, help="memory to touch before warm single misses"
+    )
     parser.add_argument("--upstream-mbps", type=float, default=20.0, help="upstream throttle, MB/s")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, files)")
     asyncio.run(run(parser.parse_args()))
