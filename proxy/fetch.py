@@ -99,8 +99,10 @@ class _Flight:
         self.answer: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self.download: Download | None = None  # ours, when we download it
         self.transfer: Transfer | None = None  # what our clients read, once streaming
+        self.outcome: Outcome | None = None
 
     def settle(self, outcome: Outcome) -> None:
+        self.outcome = outcome  # what it came to, even when clients already stream
         if not self.answer.done():
             self.answer.set_result(outcome)
 
@@ -163,6 +165,7 @@ class Fetcher:
         gauge.inc()
         try:
             await self._resolve(miss, stale, flight)
+            await self._conclude(miss, flight)
         except asyncio.CancelledError:
             flight.settle_error(ShuttingDown("the proxy is shutting down"))
             raise
@@ -222,8 +225,6 @@ class Fetcher:
                 entry = result.entry
                 assert entry is not None
                 self.index.put(entry)
-                if flight.transfer is not None and entry.sha256 is not None:
-                    await flight.transfer.adopt_blob(entry, self.blobs.path_str(entry.sha256))
                 flight.settle(_served(entry))
                 return
             if result.verdict is Verdict.FAILED:
@@ -251,6 +252,23 @@ class Fetcher:
                 flight.transfer.lost()  # our clients wait for the next download
             following = None
             took_over = True
+
+    async def _conclude(self, miss: Miss, flight: _Flight) -> None:
+        """End the transfer our clients read in agreement with what the fetch came to,
+        whichever way it got there: an entry stored by us or found (the holder stored it
+        as we claimed), a stale copy, a 404 or 304 from the upstream on a takeover. Left
+        alone, its readers would wait for a source forever."""
+        transfer = flight.transfer
+        if transfer is None or transfer.concluded():
+            return
+        outcome = flight.outcome
+        entry = outcome.entry if isinstance(outcome, Stored | Stale) else None
+        if entry is not None and entry.sha256 is not None:
+            await transfer.stored(self.blobs.path_str(entry.sha256), entry.size, entry)
+        else:
+            transfer.fail(
+                UpstreamUnavailable(f"{miss.key}: the fetch ended without the body being read")
+            )
 
     async def _follow(self, miss: Miss, flight: _Flight, stream: StreamInfo) -> None:
         """Serve our clients from the file another replica announced."""
@@ -464,13 +482,13 @@ class Fetcher:
                     complete=True,
                 )
                 flight.transfer = Transfer(blob, self.tasks.spawn)
-            flight.transfer.finish(None, self.blobs.path_str(sha256))
+            await flight.transfer.stored(self.blobs.path_str(sha256), temp.size, None)
             flight.settle(Streaming(flight.transfer))
             return
         self.index.put(entry)
         download.finish(entry)
         if flight.transfer is not None:
-            flight.transfer.finish(entry, self.blobs.path_str(sha256))
+            await flight.transfer.stored(self.blobs.path_str(sha256), temp.size, entry)
         flight.settle(Stored(entry))
 
 

@@ -22,9 +22,11 @@ every client is cut: two different byte streams are never spliced.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import os
+import stat
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -94,6 +96,17 @@ def _digest(fd: int, length: int) -> str:
     return hasher.hexdigest()
 
 
+def _open_regular(path: str) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class LocalFile:
     """Our own download, read through a descriptor of our own."""
 
@@ -147,13 +160,19 @@ class SharedFile:
     page_cached = False  # maybe a network file system: read in the I/O pool
 
     def __init__(
-        self, path: str, content_type: str | None, total: int, spawn: Spawn, complete: bool
+        self,
+        fd: int,
+        path: str,
+        content_type: str | None,
+        total: int,
+        spawn: Spawn,
+        complete: bool,
     ) -> None:
         self.path = path
         self.content_type = content_type
         self.total = total
         self.error: BaseException | None = None
-        self._fd: int | None = os.open(path, os.O_RDONLY)  # FileNotFoundError: gone already
+        self._fd: int | None = fd
         self._size = total if complete else 0
         self._complete = complete
         self._listeners: list[Callable[[], None]] = []
@@ -163,13 +182,12 @@ class SharedFile:
     async def open(
         cls, path: str, content_type: str | None, total: int, spawn: Spawn, complete: bool
     ) -> SharedFile:
-        def opened() -> SharedFile:
-            return cls(path, content_type, total, spawn, complete)
-
-        # The shared volume may be a network file system: open it off the event loop.
-        if complete:
-            return await run_blocking(opened)
-        return opened()  # the watcher task must be spawned on the loop thread
+        """Raises OSError if ``path`` is gone, or is not a regular file of its own (a
+        symlink, a FIFO: whoever can write the shared folder must not make us read
+        elsewhere, or block)."""
+        # Off the event loop: the shared volume may be a network file system.
+        fd = await run_blocking(_open_regular, path)
+        return cls(fd, path, content_type, total, spawn, complete)  # spawns on the loop
 
     @property
     def fd(self) -> int | None:
@@ -263,6 +281,7 @@ class Transfer:
         self._changed = asyncio.Event()
         self._done = asyncio.Event()
         self._switch_lock = asyncio.Lock()
+        self._reopen_lock = asyncio.Lock()
         self._switch: asyncio.Task[None] | None = None
         # Told of the transfer that carries a changed body on for clients that come later.
         self._on_changed = on_changed
@@ -280,33 +299,44 @@ class Transfer:
         self._waiting_for_source = True
         if self._switch is not None:
             self._switch.cancel()
-        self._switch = self._spawn("transfer-switch", self._switch_to(source))
+        switch = self._spawn("transfer-switch", self._switch_to(source))
+        switch.add_done_callback(lambda _task: self._maybe_close())
+        self._switch = switch
 
-    async def adopt_blob(self, entry: Entry, blob_path: str) -> None:
-        """Another replica stored the body: release the rest from the very file we read,
-        or continue from the blob once it is proven to start with what we sent."""
-        source = self._source
-        if source is None:
+    def concluded(self) -> bool:
+        """Stored or failed: nothing more will happen to it."""
+        return self._done.is_set()
+
+    async def stored(self, blob_path: str, size: int, entry: Entry | None) -> None:
+        """The body is stored at ``blob_path`` (``entry`` None: not recorded). If it is
+        the very body our source has (our verified download; another replica's file,
+        now renamed to the blob), the rest is released from it; otherwise the blob
+        becomes the source, once proven to begin with what was sent."""
+        if self._done.is_set():
             return
-        if (
-            isinstance(source, SharedFile)
-            and not self._waiting_for_source
-            and await source.is_file(blob_path)
-        ):
-            source.mark_complete()
-        else:
-            try:
-                blob = await SharedFile.open(
-                    blob_path, self.content_type, entry.size, self._spawn, complete=True
-                )
-            except OSError as exc:
-                self.fail(UpstreamUnavailable(f"the stored body cannot be read: {exc}"))
+        source = self._source
+        if source is not None and not self._waiting_for_source and size == self.total:
+            if source.complete():
+                self._finish(entry, blob_path)
                 return
-            self.replace(blob)
-        self.finish(entry, blob_path)
+            if (
+                isinstance(source, SharedFile)
+                and await source.is_file(blob_path)
+                and source is self._source  # still: is_file waited
+                and not self._waiting_for_source
+            ):
+                source.mark_complete()
+                self._finish(entry, blob_path)
+                return
+        try:
+            blob = await SharedFile.open(blob_path, self.content_type, size, self._spawn, True)
+        except OSError as exc:
+            self.fail(UpstreamUnavailable(f"the stored body cannot be read: {exc}"))
+            return
+        self.replace(blob)
+        self._finish(entry, blob_path)
 
-    def finish(self, entry: Entry | None, blob_path: str | None) -> None:
-        """The body is stored at ``blob_path`` (``entry`` None: not recorded)."""
+    def _finish(self, entry: Entry | None, blob_path: str) -> None:
         self.entry = entry
         self._blob_path = blob_path
         self._done.set()
@@ -317,6 +347,9 @@ class Transfer:
         if self.error is None:
             self.error = error
             self._done.set()
+            switch = self._switch
+            if switch is not None and switch is not asyncio.current_task():
+                switch.cancel()  # it would wait for a source nobody will read
             self._announce()
             self._maybe_close()
 
@@ -395,11 +428,14 @@ class Transfer:
     # -- internals -----------------------------------------------------------------------
 
     async def _reopen(self) -> None:
-        if self._blob_path is None:
-            raise UpstreamUnavailable("the download ended before this reader started")
-        self._source = await SharedFile.open(
-            self._blob_path, self.content_type, self.total, self._spawn, complete=True
-        )
+        async with self._reopen_lock:  # readers that come together share one descriptor
+            if self._source is not None:
+                return
+            if self._blob_path is None:
+                raise UpstreamUnavailable("the download ended before this reader started")
+            self._source = await SharedFile.open(
+                self._blob_path, self.content_type, self.total, self._spawn, complete=True
+            )
 
     def _announce(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -436,8 +472,8 @@ class Transfer:
             new.close()
             return
         successor = Transfer(new, self._spawn, self._on_changed)
-        if self._done.is_set() and self.error is None:
-            successor.finish(self.entry, self._blob_path)
+        if self._done.is_set() and self.error is None and self._blob_path is not None:
+            successor._finish(self.entry, self._blob_path)
         self._on_changed(successor)
 
     async def _prove(self, new: Source) -> None:

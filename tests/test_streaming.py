@@ -9,10 +9,12 @@ begins with the bytes they already have, and are cut otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,25 +93,25 @@ class Pulled:
     ttlb: float  # ... to the last byte, or to the cut
     error: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    prefix: bytes = b""  # the first bytes received
 
 
 async def pull(url: str, started_at: float) -> Pulled:
-    hasher, length, first, status, headers = hashlib.sha256(), 0, 0.0, 0, {}
+    hasher, length, first, status, headers, prefix = hashlib.sha256(), 0, 0.0, 0, {}, b""
     try:
         async with httpx.AsyncClient(timeout=60) as client, client.stream("GET", url) as r:
             status, headers = r.status_code, dict(r.headers)
             async for chunk in r.aiter_bytes():
                 if not first:
                     first = time.monotonic() - started_at
+                    prefix = chunk[:64]
                 hasher.update(chunk)
                 length += len(chunk)
     except httpx.HTTPError as exc:
-        return Pulled(
-            0, hasher.hexdigest(), length, first, time.monotonic() - started_at, repr(exc)
-        )
-    return Pulled(
-        status, hasher.hexdigest(), length, first, time.monotonic() - started_at, "", headers
-    )
+        elapsed = time.monotonic() - started_at
+        return Pulled(0, hasher.hexdigest(), length, first, elapsed, repr(exc), prefix=prefix)
+    elapsed = time.monotonic() - started_at
+    return Pulled(status, hasher.hexdigest(), length, first, elapsed, "", headers, prefix)
 
 
 async def holder_then_waiters(
@@ -260,3 +262,176 @@ def test_a_digest_mismatch_at_the_end_cuts_every_replicas_clients_and_stores_not
     assert asyncio.run(stored()) == 0
     files = [p for p in (tmp_path / "shared").rglob("*") if p.is_file()]
     assert [p for p in files if p.stat().st_size == len(body)] == [], "no blob, no temp file"
+
+
+def open_temp_files(replica: ProxyProcess) -> list[str]:
+    """The download files (``*.part``) a replica holds open: each pins disk space."""
+    names = []
+    for fd in Path(f"/proc/{replica.pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if ".part" in target:
+                names.append(target)
+    return names
+
+
+@pytest.mark.parametrize("takeover", ["in one piece", "without a length", "404"])
+def test_a_takeover_download_that_never_streams_still_ends_the_followers_clients(
+    tmp_path: Path,
+    pg_url: str,
+    upstream: FakeUpstream,
+    replicas: list[ProxyProcess],
+    takeover: str,
+) -> None:
+    """The replica that takes over gets the body in one write, or with no length (it
+    never announces a file), or a 404: its clients and the other waiter's were reading the
+    dead holder's file, and must end (whole, or cut), never wait forever."""
+    body = os.urandom(40 * 1024)
+    upstream.files[PATH] = body
+    upstream.fault(PATH, chunk_size=4 * 1024, chunk_delay_s=0.2)  # ~2 s
+    holder, *waiters = start(
+        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
+    )
+
+    async def kill_then_change_upstream() -> None:
+        await asyncio.sleep(1.0)
+        holder.signal(signal.SIGKILL)
+        if takeover == "in one piece":
+            upstream.fault(PATH, chunk_size=MiB)  # one write: written == total at once
+        elif takeover == "without a length":
+            upstream.fault(PATH, chunked=True)
+        else:
+            del upstream.files[PATH]
+
+    results = asyncio.run(
+        holder_then_waiters(holder, waiters, pg_url, 2, kill_then_change_upstream)
+    )
+    expected = hashlib.sha256(body).hexdigest()
+    for r in results[1:]:
+        assert r.ttlb < 20, "the client waited for a source that never came"
+        if takeover == "404":
+            assert r.status == 0 and r.length < len(body), "cut: the body is gone upstream"
+        else:
+            assert (r.status, r.sha256, r.length) == (200, expected, len(body))
+    later = httpx.get(waiters[0].url + "/tools/tool-1.0.tar.gz", timeout=30)
+    assert later.status_code == (404 if takeover == "404" else 200)
+    time.sleep(1)  # the responses' cleanup
+    assert [open_temp_files(w) for w in waiters] == [[], []]
+
+
+def test_a_claim_won_after_the_holder_stored_it_finishes_the_followers_clients(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, replicas: list[ProxyProcess]
+) -> None:
+    """The waiter follows the holder's file and claims the lease just as the holder stores
+    the entry and releases it: the claim wins, finds the entry, and its clients must get
+    the last byte (from the very file they read, now the blob). A slow claim (database
+    latency) is made with a trigger that sleeps on the waiter's inserts."""
+    body = os.urandom(2 * MiB)
+    upstream.files[PATH] = body
+    upstream.fault(PATH, chunk_size=128 * 1024, chunk_delay_s=0.1)  # ~1.6 s
+    holder, waiter = start(replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 2)
+
+    async def slow_claims_for_the_waiter() -> None:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            await conn.execute(f"""
+                CREATE FUNCTION slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF NEW.holder LIKE '%:{waiter.pid}:%' THEN PERFORM pg_sleep(0.5); END IF;
+                    RETURN NEW;
+                END $$;
+                CREATE TRIGGER slow_claim BEFORE INSERT ON fetch_leases
+                    FOR EACH ROW EXECUTE FUNCTION slow_claim();
+            """)
+        finally:
+            await conn.close()
+
+    async def scenario() -> list[Pulled]:
+        await slow_claims_for_the_waiter()
+        started_at = time.monotonic()
+        url = "/tools/tool-1.0.tar.gz"
+        holding = asyncio.create_task(pull(holder.url + url, started_at))
+        await asyncio.sleep(0.75)
+        waiting = [asyncio.create_task(pull(waiter.url + url, started_at)) for _ in range(2)]
+        return list(await asyncio.gather(holding, *waiting))
+
+    results = asyncio.run(scenario())
+    expected = hashlib.sha256(body).hexdigest()
+    assert [(r.status, r.sha256, r.length) for r in results] == [(200, expected, len(body))] * 3
+    assert all(r.ttlb < 10 for r in results)
+
+
+@pytest.mark.parametrize("forgery", ["symlink", "fifo", "short length"])
+def test_forged_announcements_are_never_served(
+    tmp_path: Path,
+    pg_url: str,
+    upstream: FakeUpstream,
+    replicas: list[ProxyProcess],
+    forgery: str,
+) -> None:
+    """Someone who can write the lease table or the shared folder names a symlink to a
+    secret, a FIFO (whose open would block), or a shorter length: the waiter's clients
+    get the real body or are cut, never other bytes, and the waiter keeps serving."""
+    body = os.urandom(2 * MiB)
+    upstream.files[PATH] = body
+    upstream.fault(PATH, chunk_size=128 * 1024, chunk_delay_s=0.2)  # ~3.2 s
+    holder, waiter = start(
+        replicas, fleet_config(tmp_path, pg_url, upstream.base_url, ttl="3s"), tmp_path, 2
+    )
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"SECRET " * 400_000)
+
+    async def forge() -> None:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            row = None
+            for _ in range(500):
+                row = await conn.fetchrow(
+                    "SELECT stream_file FROM fetch_leases WHERE key = $1 AND stream_file IS NOT NULL",
+                    KEY,
+                )
+                if row is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert row is not None, "the holder never announced its file"
+            name = f"{uuid.uuid4().hex}.part"
+            if forgery == "symlink":
+                (tmp_path / "shared" / "tmp" / name).symlink_to(secret)
+            elif forgery == "fifo":
+                os.mkfifo(tmp_path / "shared" / "tmp" / name)
+            if forgery == "short length":
+                await conn.execute(
+                    "UPDATE fetch_leases SET stream_length = $2 WHERE key = $1",
+                    KEY,
+                    len(body) - 1000,
+                )
+            else:
+                await conn.execute(
+                    "UPDATE fetch_leases SET stream_file = $2 WHERE key = $1", KEY, name
+                )
+        finally:
+            await conn.close()
+
+    async def scenario() -> list[Pulled]:
+        started_at = time.monotonic()
+        url = "/tools/tool-1.0.tar.gz"
+        holding = asyncio.create_task(pull(holder.url + url, started_at))
+        await forge()
+        waiting = [asyncio.create_task(pull(waiter.url + url, started_at)) for _ in range(2)]
+        await asyncio.sleep(0.5)
+        async with httpx.AsyncClient(timeout=10) as client:
+            ready = await client.get(waiter.url + "/readyz?scope=local")
+        assert ready.status_code == 200
+        return list(await asyncio.gather(holding, *waiting))
+
+    results = asyncio.run(scenario())
+    expected = hashlib.sha256(body).hexdigest()
+    assert (results[0].status, results[0].sha256) == (200, expected)
+    for r in results[1:]:
+        assert (r.status, r.sha256, r.length) == (200, expected, len(body)) or (
+            r.status == 0 and r.length < len(body)
+        ), r
+        assert not r.prefix.startswith(b"SECRET")
+    later = httpx.get(waiter.url + "/tools/tool-1.0.tar.gz", timeout=30)
+    assert later.status_code == 200 and later.content == body
+    assert "event loop was blocked" not in waiter.log()
