@@ -39,11 +39,12 @@ class TempBlob:
     ``written`` counts the bytes already in the file; ``flush`` waits for the rest.
     """
 
-    def __init__(self, path: Path, digests: Iterable[str]) -> None:
+    def __init__(self, path: Path, fd: int, digests: Iterable[str]) -> None:
+        """``fd``: ``path`` opened for reading and writing (``BlobStore.new_temp``)."""
         self.path = path
         self.size = 0  # bytes handed to write()
         self.written = 0  # bytes in the file
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._fd = fd
         names = {"sha256", *digests}
         self._hashers = {name: hashlib.new(name) for name in sorted(names)}
         self._pending: asyncio.Future[None] | None = None  # the batch being written
@@ -139,12 +140,23 @@ class TempBlob:
         except OSError as exc:
             raise storage_error(f"syncing {self.path}", "sync", exc) from exc
 
+    def reader_fd(self) -> int:
+        """A descriptor of its own for reading the file as it grows (``pread``,
+        ``sendfile``): a duplicate, so no open (a round trip on a network file system)
+        on the event loop."""
+        return os.dup(self._fd)
+
+    def detach_fd(self) -> int:
+        """The descriptor, now the caller's to close (-1 if closed already)."""
+        fd, self._fd = self._fd, -1
+        return fd
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
-    def discard(self) -> None:
+    async def discard(self) -> None:
         self.on_progress = None
         self._queued, self._queued_bytes = [], 0  # nothing more is written
         if self._pending is not None:
@@ -153,8 +165,10 @@ class TempBlob:
             self._pending = None
         else:
             self.close()
+        # Shielded: a second cancellation must not leave the file behind (the unlink
+        # goes on in its thread anyway; reclaim removes what a crash leaves).
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            await asyncio.shield(run_blocking(os.unlink, self.path))
 
 
 class BlobStore:
@@ -177,20 +191,30 @@ class BlobStore:
         """``path`` as a string, built without pathlib: it runs on every cache hit."""
         return f"{self._blobs_prefix}{sha256[:2]}/{sha256[2:4]}/{sha256}"
 
-    def new_temp(self, digests: Iterable[str] = ()) -> TempBlob:
+    async def new_temp(self, digests: Iterable[str] = ()) -> TempBlob:
+        path = self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            return TempBlob(self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}", digests)
+            # Off the loop: the shared volume may be a network file system.
+            fd = await run_blocking(os.open, path, flags, 0o644)
         except OSError as exc:
             raise storage_error(f"creating a temp file in {self.tmp_dir}", "create", exc) from exc
+        return TempBlob(path, fd, digests)
 
     async def publish(self, temp: TempBlob) -> str:
         """fsync the temp file and move it to its content address; returns the sha256."""
         await temp.sync()  # first: the last pending write is hashed too
         sha256 = temp.sha256
-        temp.close()
         target = self.path(sha256)
+        fd = temp.detach_fd()
+
+        def close_and_move() -> None:
+            if fd >= 0:
+                os.close(fd)
+            _move_into_place(temp.path, target)
+
         try:
-            await run_blocking(_move_into_place, temp.path, target)
+            await run_blocking(close_and_move)
         except OSError as exc:
             raise storage_error(f"publishing {target}", "publish", exc) from exc
         return sha256

@@ -372,7 +372,7 @@ class RepositoryView:
         self, key: str, body: AsyncIterator[bytes], max_size: int, content_type: str | None
     ) -> None:
         cache = self.cache
-        temp = cache.blobs.new_temp()
+        temp = await cache.blobs.new_temp()
         try:
             async for chunk in body:
                 if temp.size + len(chunk) > max_size:
@@ -381,7 +381,7 @@ class RepositoryView:
                 await temp.write(chunk)
             sha256 = await cache.blobs.publish(temp)
         except BaseException:
-            temp.discard()
+            await temp.discard()
             raise
         stored_at = cache.clock.now_ms()
         entry = Entry(

@@ -184,6 +184,10 @@ class Fetcher:
             gauge.dec()
             if self._flights.get(flight_key) is flight:
                 del self._flights[flight_key]
+            if flight.transfer is not None and not flight.transfer.concluded():
+                # Not reached when _conclude did its work; a last guard so that no client
+                # of this flight ever waits for a source nobody will give it.
+                flight.transfer.fail(UpstreamUnavailable(f"{miss.key}: the fetch ended"))
 
     async def _resolve(self, miss: Miss, stale: Entry | None, flight: _Flight) -> None:
         if not miss.spec.storable:
@@ -257,18 +261,20 @@ class Fetcher:
         """End the transfer our clients read in agreement with what the fetch came to,
         whichever way it got there: an entry stored by us or found (the holder stored it
         as we claimed), a stale copy, a 404 or 304 from the upstream on a takeover. Left
-        alone, its readers would wait for a source forever."""
-        transfer = flight.transfer
-        if transfer is None or transfer.concluded():
-            return
-        outcome = flight.outcome
-        entry = outcome.entry if isinstance(outcome, Stored | Stale) else None
-        if entry is not None and entry.sha256 is not None:
-            await transfer.stored(self.blobs.path_str(entry.sha256), entry.size, entry)
-        else:
-            transfer.fail(
-                UpstreamUnavailable(f"{miss.key}: the fetch ended without the body being read")
-            )
+        alone, its readers would wait for a source forever. A stale copy does not
+        continue them: their headers promised a fresh body; they are cut, and a retry
+        gets the stale answer with its warning."""
+        # A switch may hand a changed body on to a successor while ``stored`` awaits:
+        # conclude whichever transfer the flight ends up with.
+        while (transfer := flight.transfer) is not None and not transfer.concluded():
+            outcome = flight.outcome
+            entry = outcome.entry if isinstance(outcome, Stored) else None
+            if entry is not None and entry.sha256 is not None:
+                await transfer.stored(self.blobs.path_str(entry.sha256), entry.size, entry)
+            else:
+                transfer.fail(
+                    UpstreamUnavailable(f"{miss.key}: the fetch ended without the body being read")
+                )
 
     async def _follow(self, miss: Miss, flight: _Flight, stream: StreamInfo) -> None:
         """Serve our clients from the file another replica announced."""
@@ -291,7 +297,9 @@ class Fetcher:
     def _attach(self, flight: _Flight, source: Source) -> None:
         """Give our clients ``source``: the first one starts their answers; a later one
         takes over from a source that was lost, once proven to start the same way."""
-        if flight.transfer is None:
+        if flight.transfer is None or flight.transfer.concluded():
+            # The first source, or one after the last transfer failed (its clients were
+            # cut): requests from now on read the new one.
             flight.stream(Transfer(source, self.tasks.spawn, on_changed=flight.stream))
         else:
             flight.transfer.replace(source)
@@ -401,7 +409,7 @@ class Fetcher:
         expected = {name: value.lower() for name, value in fetched.expected.items()}
         expected = {name: value for name, value in expected.items() if name in KNOWN_DIGESTS}
         wanted = set(spec.digests) | set(expected)
-        temp = self.blobs.new_temp(wanted)
+        temp = await self.blobs.new_temp(wanted)
         download = Download(str(temp.path), fetched.content_type, fetched.length)
         flight.download = download
         upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=miss.repository)
@@ -418,7 +426,7 @@ class Fetcher:
             total = download.total
             if spec.stream and not streaming and total is not None and written < total:
                 streaming = True
-                self._attach(flight, LocalFile(download))
+                self._attach(flight, LocalFile(download, temp.reader_fd()))
                 if held is not None:
                     # Other replicas' clients read the same file as it grows.
                     stream = StreamInfo(temp.path.name, download.content_type, total)
@@ -447,7 +455,7 @@ class Fetcher:
             download.verify()  # the last byte may go out now, before our fsync
             sha256 = await self.blobs.publish(temp)
         except BaseException as exc:
-            temp.discard()
+            await temp.discard()
             download.fail(exc if isinstance(exc, Exception) else ShuttingDown("shutting down"))
             raise
         fetched_at = self.clock.now_ms()

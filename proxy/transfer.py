@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from proxy.blocking import run_blocking
 from proxy.catalog import Entry
 from proxy.download import SEND_CHUNK_BYTES, Download
-from proxy.exceptions import UpstreamUnavailable
+from proxy.exceptions import ProxyError, UpstreamUnavailable
 
 log = logging.getLogger("proxy.transfer")
 
@@ -112,12 +112,13 @@ class LocalFile:
 
     page_cached = True
 
-    def __init__(self, download: Download) -> None:
+    def __init__(self, download: Download, fd: int) -> None:
+        """``fd``: the download's file, ours to close (``TempBlob.reader_fd``)."""
         assert download.total is not None, "only a body of known length is streamed"
         self.download = download
         self.content_type = download.content_type
         self.total = download.total
-        self._fd: int | None = os.open(download.path, os.O_RDONLY)
+        self._fd: int | None = fd
 
     @property
     def error(self) -> BaseException | None:
@@ -296,6 +297,9 @@ class Transfer:
 
     def replace(self, source: Source) -> None:
         """Continue from ``source`` once its first bytes are proven the ones already sent."""
+        if self._done.is_set():  # nothing more comes of a concluded transfer
+            source.close()
+            return
         self._waiting_for_source = True
         if self._switch is not None:
             self._switch.cancel()
@@ -332,6 +336,9 @@ class Transfer:
             blob = await SharedFile.open(blob_path, self.content_type, size, self._spawn, True)
         except OSError as exc:
             self.fail(UpstreamUnavailable(f"the stored body cannot be read: {exc}"))
+            return
+        if self._done.is_set():  # failed (maybe handed on) while the blob was opened
+            blob.close()
             return
         self.replace(blob)
         self._finish(entry, blob_path)
@@ -454,9 +461,19 @@ class Transfer:
                 self.fail(exc)
                 return
             except Exception as exc:
-                new.close()
-                log.warning("%s", exc)
-                self.fail(exc)
+                # The old file cannot be compared (truncated, or unreadable: ESTALE on
+                # NFS), or the new one failed. Our clients are cut with a proxy error (a
+                # 502/503, never a 500); a sound new body still serves later clients.
+                log.warning("cannot continue from the new download: %s", exc)
+                if new.error is None and self.error is None:
+                    self._hand_on(new)
+                else:
+                    new.close()
+                self.fail(
+                    exc
+                    if isinstance(exc, ProxyError)
+                    else UpstreamUnavailable(f"cannot continue from the new download: {exc}")
+                )
                 return
             old, self._source = self._source, new
             new.subscribe(self._announce)
@@ -533,7 +550,12 @@ class Reader:
     async def read(self, span: Span, size: int) -> bytes:
         """Up to ``size`` bytes of ``span``; empty if the source changed meanwhile (they
         were not proven: ask for the next span)."""
-        data = await span.source.read(self.offset, min(size, span.end - self.offset))
+        try:
+            data = await span.source.read(self.offset, min(size, span.end - self.offset))
+        except (OSError, UpstreamUnavailable):
+            if self.transfer._current(span):
+                raise
+            return b""  # closed by a switch to a proven source under our read: go on
         if not self.transfer._current(span):
             return b""
         if not data:

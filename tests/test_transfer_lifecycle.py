@@ -1,0 +1,263 @@
+"""A follower's transfer lifecycle (proxy/fetch.py, proxy/transfer.py), driven step by
+step in one process: real files in a storage folder, a scripted lease coordinator (the
+races here are too narrow to hit reliably with real replicas; test_streaming.py covers
+the same paths end to end)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import proxy.transfer as transfer_mod
+from proxy.blobs import BlobStore
+from proxy.catalog import Entry, StreamInfo
+from proxy.clock import SYSTEM_CLOCK
+from proxy.contract import FetchSpec
+from proxy.exceptions import ProxyError
+from proxy.fetch import Fetcher, Miss, Streaming
+from proxy.leases import Verdict, WaitResult
+from proxy.tasks import TaskSupervisor
+from proxy.types import Kind
+
+KEY = "tool-1.0.tar.gz"
+TOTAL = 64 * 1024
+
+
+class NoEntries:
+    async def get_entry(self, repository: str, key: str) -> Entry | None:
+        return None
+
+
+class Index:
+    def put(self, entry: Entry) -> None:
+        pass
+
+
+class ScriptedLeases:
+    """Never grants the lease; ``wait`` returns what the test feeds it, in order."""
+
+    def __init__(self) -> None:
+        self.results: asyncio.Queue[WaitResult] = asyncio.Queue()
+
+    async def claim(self, repository: str, key: str) -> None:
+        return None
+
+    async def wait(self, repository: str, key: str, find_entry: Any, following: Any) -> WaitResult:
+        return await self.results.get()
+
+
+async def until(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def read_some(transfer: transfer_mod.Transfer, want: int, into: bytearray) -> None:
+    reader = transfer.reader()
+    try:
+        while len(into) < want:
+            span = await reader.next_span()
+            if span is None:
+                return
+            into += await reader.read(span, 4096)
+    finally:
+        reader.close()
+
+
+def test_a_successor_handed_on_while_the_blob_opens_is_never_concluded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The follower read holder A's file; A died; B's download (a changed body) is being
+    proven when B's entry arrives. ``_conclude`` -> ``stored()`` opens the blob in the
+    I/O pool; meanwhile the switch to B's file finds the body changed and hands B's file
+    on to a successor transfer, which becomes the flight's transfer. Nobody concludes
+    the successor: its clients get every byte but the last and wait forever; its file
+    stays open and its watcher polls every 10 ms forever."""
+    blobs = BlobStore(tmp_path / "shared")
+    blobs.prepare()
+    body1, body2 = os.urandom(TOTAL), os.urandom(TOTAL)  # the upstream changed it
+    name_a, name_b = f"{uuid.uuid4().hex}.part", f"{uuid.uuid4().hex}.part"
+    (blobs.tmp_dir / name_a).write_bytes(body1[: TOTAL // 2])  # A died half way
+    (blobs.tmp_dir / name_b).write_bytes(body2[:4096])  # B has just started
+    sha2 = hashlib.sha256(body2).hexdigest()
+    blob = blobs.path(sha2)
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(body2)
+    entry = Entry("tools", KEY, Kind.IMMUTABLE, sha2, TOTAL, None, 0, None)
+
+    # The blob's open is slow (an NFS round trip, a busy I/O pool): held until released.
+    opening, release = threading.Event(), threading.Event()
+    real_open = transfer_mod._open_regular
+
+    def slow_open(path: str) -> int:
+        if path == str(blob):
+            opening.set()
+            release.wait(10)
+        return real_open(path)
+
+    monkeypatch.setattr(transfer_mod, "_open_regular", slow_open)
+
+    async def scenario() -> None:
+        tasks = TaskSupervisor()
+        leases = ScriptedLeases()
+        fetcher = Fetcher(NoEntries(), blobs, Index(), leases, tasks, SYSTEM_CLOCK)  # type: ignore[arg-type]
+        miss = Miss("tools", "raw", FetchSpec(KEY, Kind.IMMUTABLE, origin=None), None)  # type: ignore[arg-type]
+
+        leases.results.put_nowait(
+            WaitResult(Verdict.STREAM, fence=1, stream=StreamInfo(name_a, None, TOTAL))
+        )
+        first = await fetcher.fetch(miss, None)
+        assert isinstance(first, Streaming)
+        old = first.transfer
+        got = bytearray()
+        await read_some(old, TOTAL // 2 - 1, got)  # the client has half the body
+        assert len(got) == TOTAL // 2 - 1
+
+        leases.results.put_nowait(WaitResult(Verdict.TAKEOVER, fence=1))  # A is dead
+        leases.results.put_nowait(
+            WaitResult(Verdict.STREAM, fence=2, stream=StreamInfo(name_b, None, TOTAL))
+        )
+        flight = fetcher._flights[("tools", KEY)]
+        await until(lambda: old._switch is not None)  # following B, proving it
+        leases.results.put_nowait(WaitResult(Verdict.ENTRY, entry=entry))  # B stored it
+        await until(opening.is_set)  # _conclude -> stored() is opening the blob
+
+        # B's last bytes land: the switch compares prefixes and hands B's file on.
+        (blobs.tmp_dir / name_b).write_bytes(body2)
+        await until(lambda: flight.transfer is not old)
+        successor = flight.transfer
+        assert successor is not None
+        # A request that comes now joins the flight and reads the successor.
+        joined = await fetcher.fetch(miss, None)
+        assert isinstance(joined, Streaming) and joined.transfer is successor
+
+        release.set()
+        await until(lambda: ("tools", KEY) not in fetcher._flights)  # the fetch is over
+
+        received = bytearray()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(read_some(successor, TOTAL, received), 3)
+        watcher = successor._source._watcher if successor._source is not None else None  # type: ignore[union-attr]
+        try:
+            assert successor.concluded(), (
+                f"the successor was never concluded: its client got {len(received)} of "
+                f"{TOTAL} bytes and waits forever; its file is open, its watcher "
+                f"{'polls' if watcher is not None and not watcher.done() else 'stopped'}"
+            )
+            assert bytes(received) == body2
+        finally:
+            await tasks.close(1)
+            for t in (old, successor):
+                if t._source is not None:
+                    t._source.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_switch_that_cannot_compare_cuts_with_a_proxy_error_and_hands_the_body_on(
+    tmp_path: Path,
+) -> None:
+    """The dead holder's file is shorter than what was sent (truncated on the shared
+    volume; or unreadable, ESTALE on NFS), so the prefix cannot be compared. Its clients
+    are cut with a proxy error (a 502/503, never a 500 with a traceback), and requests
+    that come later read the new download to its verified end."""
+    blobs = BlobStore(tmp_path / "shared")
+    blobs.prepare()
+    body = os.urandom(TOTAL)
+    name_a, name_b = f"{uuid.uuid4().hex}.part", f"{uuid.uuid4().hex}.part"
+    (blobs.tmp_dir / name_a).write_bytes(body[: TOTAL // 2])
+    (blobs.tmp_dir / name_b).write_bytes(body[: TOTAL - 1])
+    sha = hashlib.sha256(body).hexdigest()
+    entry = Entry("tools", KEY, Kind.IMMUTABLE, sha, TOTAL, None, 0, None)
+
+    async def scenario() -> None:
+        tasks = TaskSupervisor()
+        leases = ScriptedLeases()
+        fetcher = Fetcher(NoEntries(), blobs, Index(), leases, tasks, SYSTEM_CLOCK)  # type: ignore[arg-type]
+        miss = Miss("tools", "raw", FetchSpec(KEY, Kind.IMMUTABLE, origin=None), None)  # type: ignore[arg-type]
+        leases.results.put_nowait(
+            WaitResult(Verdict.STREAM, fence=1, stream=StreamInfo(name_a, None, TOTAL))
+        )
+        first = await fetcher.fetch(miss, None)
+        assert isinstance(first, Streaming)
+        old = first.transfer
+        got = bytearray()
+        await read_some(old, TOTAL // 2 - 1, got)
+        os.truncate(blobs.tmp_dir / name_a, 100)  # A's file on the shared volume
+        leases.results.put_nowait(WaitResult(Verdict.TAKEOVER, fence=1))
+        leases.results.put_nowait(
+            WaitResult(Verdict.STREAM, fence=2, stream=StreamInfo(name_b, None, TOTAL))
+        )
+        try:
+            await until(old.concluded)
+            with pytest.raises(ProxyError):
+                await old.result()
+            joined = await fetcher.fetch(miss, None)  # the flight still follows B
+            assert isinstance(joined, Streaming) and joined.transfer is not old
+            # B finishes: its file is published as the blob (a rename: the same inode).
+            (blobs.tmp_dir / name_b).write_bytes(body)
+            blob = blobs.path(sha)
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(blobs.tmp_dir / name_b, blob)
+            leases.results.put_nowait(WaitResult(Verdict.ENTRY, entry=entry))
+            received = bytearray()
+            await asyncio.wait_for(read_some(joined.transfer, TOTAL, received), 5)
+            assert bytes(received) == body
+            assert joined.transfer.concluded() and joined.transfer.error is None
+        finally:
+            await tasks.close(1)
+            for t in (old, joined.transfer if "joined" in locals() else None):
+                if t is not None and t._source is not None:
+                    t._source.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_read_whose_source_was_switched_under_it_goes_on_from_the_new_source(
+    tmp_path: Path,
+) -> None:
+    """A client's read of the old file is still in flight when the switch to the proven
+    new download closes that file: the read gives nothing (its bytes were not proven),
+    and the client goes on from the new source instead of being cut."""
+    body = os.urandom(TOTAL)
+    old_path, new_path = tmp_path / "a.part", tmp_path / "b.part"
+    old_path.write_bytes(body[: TOTAL // 2])
+    new_path.write_bytes(body)
+
+    async def scenario() -> None:
+        tasks = TaskSupervisor()
+        spawn = tasks.spawn
+        old = await transfer_mod.SharedFile.open(str(old_path), None, TOTAL, spawn, False)
+        transfer = transfer_mod.Transfer(old, spawn)
+        reader = transfer.reader()
+        try:
+            first = await reader.next_span()
+            assert first is not None
+            received = bytearray(await reader.read(first, 4096))
+            pending = await reader.next_span()  # taken from the old file...
+            assert pending is not None and pending.source is old
+            transfer.lost()
+            new = await transfer_mod.SharedFile.open(str(new_path), None, TOTAL, spawn, True)
+            transfer.replace(new)
+            await until(lambda: old.fd is None)  # ...which the switch closed
+            assert await reader.read(pending, 4096) == b""  # not a cut
+            while (span := await reader.next_span()) is not None:
+                received += await reader.read(span, 4096)
+            assert bytes(received) == body
+        finally:
+            reader.close()
+            transfer.fail(RuntimeError("test over"))
+            await tasks.close(1)
+
+    asyncio.run(scenario())
