@@ -304,8 +304,15 @@ class Transfer:
         if self._switch is not None:
             self._switch.cancel()
         switch = self._spawn("transfer-switch", self._switch_to(source))
-        switch.add_done_callback(lambda _task: self._maybe_close())
+        switch.add_done_callback(lambda task: self._switch_ended(task, source))
         self._switch = switch
+
+    def _switch_ended(self, switch: asyncio.Task[None], source: Source) -> None:
+        # A switch cancelled before it ran (or while it waited for the one before it)
+        # never reached its own clean-up: its source is closed here.
+        if switch.cancelled() and source is not self._source:
+            source.close()
+        self._maybe_close()
 
     def concluded(self) -> bool:
         """Stored or failed: nothing more will happen to it."""

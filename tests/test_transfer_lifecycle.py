@@ -261,3 +261,31 @@ def test_a_read_whose_source_was_switched_under_it_goes_on_from_the_new_source(
             await tasks.close(1)
 
     asyncio.run(scenario())
+
+
+def test_sources_of_switches_cancelled_before_they_ran_are_closed(tmp_path: Path) -> None:
+    """Three downloads replace each other faster than the switches run, then the transfer
+    fails: no source is left open (an unlinked temp file holds its disk space)."""
+    body = os.urandom(TOTAL)
+    paths = [tmp_path / f"{n}.part" for n in range(4)]
+    for path in paths:
+        path.write_bytes(body[: TOTAL // 2])
+
+    async def scenario() -> None:
+        tasks = TaskSupervisor()
+        spawn = tasks.spawn
+        files = [
+            await transfer_mod.SharedFile.open(str(p), None, TOTAL, spawn, False) for p in paths
+        ]
+        transfer = transfer_mod.Transfer(files[0], spawn)
+        transfer.lost()
+        for source in files[1:]:
+            transfer.replace(source)  # each cancels the switch before it, not yet run
+        await asyncio.sleep(0.05)
+        transfer.fail(RuntimeError("the fetch failed"))
+        try:
+            await until(lambda: all(f.fd is None for f in files), 2)
+        finally:
+            await tasks.close(1)
+
+    asyncio.run(scenario())
