@@ -194,9 +194,14 @@ class BlobStore:
     async def new_temp(self, digests: Iterable[str] = ()) -> TempBlob:
         path = self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        # Off the loop: the shared volume may be a network file system. Shielded: if we
+        # are cancelled meanwhile, the open still happens in its thread, and is undone.
+        opening = asyncio.ensure_future(run_blocking(os.open, path, flags, 0o644))
         try:
-            # Off the loop: the shared volume may be a network file system.
-            fd = await run_blocking(os.open, path, flags, 0o644)
+            fd = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(functools.partial(_undo_open, path))
+            raise
         except OSError as exc:
             raise storage_error(f"creating a temp file in {self.tmp_dir}", "create", exc) from exc
         return TempBlob(path, fd, digests)
@@ -288,6 +293,19 @@ class BlobStore:
                     except FileNotFoundError:
                         continue
                     yield entry.name, stat.st_size, stat.st_mtime
+
+
+def _undo_open(path: Path, opening: asyncio.Future[int]) -> None:
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    fd = opening.result()
+
+    def undo() -> None:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    asyncio.get_running_loop().run_in_executor(None, undo)
 
 
 def storage_error(what: str, operation: str, exc: OSError) -> StorageError:

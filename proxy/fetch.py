@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from proxy import metrics
-from proxy.blobs import BlobStore
+from proxy.blobs import BlobStore, storage_error
 from proxy.catalog import Catalog, Entry, StreamInfo
 from proxy.clock import Clock
 from proxy.contract import Fetched, FetchSpec, OriginContext, Status
@@ -100,6 +100,7 @@ class _Flight:
         self.download: Download | None = None  # ours, when we download it
         self.transfer: Transfer | None = None  # what our clients read, once streaming
         self.outcome: Outcome | None = None
+        self.published: tuple[str, int] | None = None  # our verified blob: path, size
 
     def settle(self, outcome: Outcome) -> None:
         self.outcome = outcome  # what it came to, even when clients already stream
@@ -179,6 +180,8 @@ class Fetcher:
                 log.error(
                     "fetch failed repository=%s key=%s", miss.repository, miss.key, exc_info=exc
                 )
+            if isinstance(exc, OSError):  # a blob gone under us, ESTALE: a 503 that says so
+                exc = storage_error(f"fetching {miss.key}", "read", exc)
             flight.settle_error(exc)
         finally:
             gauge.dec()
@@ -271,6 +274,8 @@ class Fetcher:
             entry = outcome.entry if isinstance(outcome, Stored) else None
             if entry is not None and entry.sha256 is not None:
                 await transfer.stored(self.blobs.path_str(entry.sha256), entry.size, entry)
+            elif flight.published is not None:  # verified and kept, but not recorded
+                await transfer.stored(*flight.published, None)
             else:
                 transfer.fail(
                     UpstreamUnavailable(f"{miss.key}: the fetch ended without the body being read")
@@ -454,6 +459,7 @@ class Fetcher:
                     )
             download.verify()  # the last byte may go out now, before our fsync
             sha256 = await self.blobs.publish(temp)
+            flight.published = (self.blobs.path_str(sha256), temp.size)
         except BaseException as exc:
             await temp.discard()
             download.fail(exc if isinstance(exc, Exception) else ShuttingDown("shutting down"))
@@ -490,8 +496,7 @@ class Fetcher:
                     complete=True,
                 )
                 flight.transfer = Transfer(blob, self.tasks.spawn)
-            await flight.transfer.stored(self.blobs.path_str(sha256), temp.size, None)
-            flight.settle(Streaming(flight.transfer))
+            flight.settle(Streaming(flight.transfer))  # _conclude releases its last byte
             return
         self.index.put(entry)
         download.finish(entry)

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from proxy.blocking import run_blocking
 from proxy.catalog import Entry
 from proxy.download import SEND_CHUNK_BYTES, Download
-from proxy.exceptions import ProxyError, UpstreamUnavailable
+from proxy.exceptions import ProxyError, ShuttingDown, UpstreamUnavailable
 
 log = logging.getLogger("proxy.transfer")
 
@@ -312,6 +312,10 @@ class Transfer:
         # never reached its own clean-up: its source is closed here.
         if switch.cancelled() and source is not self._source:
             source.close()
+            if switch is self._switch and self._waiting_for_source:
+                # Cancelled from outside (the proxy is stopping), not by a newer source
+                # or a failure: nothing will continue our clients.
+                self.fail(ShuttingDown("the proxy is shutting down"))
         self._maybe_close()
 
     def concluded(self) -> bool:

@@ -21,8 +21,8 @@ import proxy.transfer as transfer_mod
 from proxy.blobs import BlobStore
 from proxy.catalog import Entry, StreamInfo
 from proxy.clock import SYSTEM_CLOCK
-from proxy.contract import FetchSpec
-from proxy.exceptions import ProxyError
+from proxy.contract import Fetched, FetchSpec, Status
+from proxy.exceptions import CatalogError, ProxyError, ShuttingDown
 from proxy.fetch import Fetcher, Miss, Streaming
 from proxy.leases import Verdict, WaitResult
 from proxy.tasks import TaskSupervisor
@@ -285,6 +285,228 @@ def test_sources_of_switches_cancelled_before_they_ran_are_closed(tmp_path: Path
         transfer.fail(RuntimeError("the fetch failed"))
         try:
             await until(lambda: all(f.fd is None for f in files), 2)
+        finally:
+            await tasks.close(1)
+
+    asyncio.run(scenario())
+
+
+class FailingCatalog:
+    async def get_entry(self, repository: str, key: str) -> Entry | None:
+        return None
+
+    async def put_entry(self, entry: Entry) -> None:
+        raise CatalogError("the database is down")
+
+
+class Held:
+    fence = 2
+
+    async def release(self, state: str) -> None:
+        pass
+
+    async def announce_stream(self, stream: Any) -> None:
+        pass
+
+
+class Leases:
+    """Not granted until ``grant`` is set; ``wait`` returns what the test feeds it."""
+
+    def __init__(self) -> None:
+        self.results: asyncio.Queue[WaitResult] = asyncio.Queue()
+        self.grant = False
+
+    async def claim(self, repository: str, key: str) -> Any:
+        return Held() if self.grant else None
+
+    async def wait(self, repository: str, key: str, find_entry: Any, following: Any) -> WaitResult:
+        return await self.results.get()
+
+
+class Origin:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    @contextlib.asynccontextmanager
+    async def open(self, ctx: Any, stale: Any):  # type: ignore[no-untyped-def]
+        async def chunks():  # type: ignore[no-untyped-def]
+            for i in range(0, len(self.body), 4096):
+                yield self.body[i : i + 4096]
+                await asyncio.sleep(0.001)
+
+        yield Fetched(Status.OK, chunks(), None, len(self.body))
+
+
+def test_a_successor_handed_on_when_the_entry_cannot_be_recorded_still_gets_the_body(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """We followed holder A (body1), A died, we took over and downloaded body2 (the
+    upstream changed it), and recording our entry fails (CatalogError). While the old
+    transfer is being concluded, the switch to our download finds the body changed and
+    hands it on to a successor: the successor's clients get our verified, published
+    body2, not a cut."""
+    blobs = BlobStore(tmp_path / "shared")
+    blobs.prepare()
+    body1, body2 = os.urandom(TOTAL), os.urandom(TOTAL)
+    name_a = f"{uuid.uuid4().hex}.part"
+    (blobs.tmp_dir / name_a).write_bytes(body1[: TOTAL // 2])
+    blob = str(blobs.path(hashlib.sha256(body2).hexdigest()))
+
+    opening, handed = threading.Event(), threading.Event()
+    real_open, real_digest = transfer_mod._open_regular, transfer_mod._digest
+
+    def slow_open(path: str) -> int:
+        if path == blob:
+            opening.set()
+            handed.wait(10)
+        return real_open(path)
+
+    def slow_digest(fd: int, length: int) -> str:
+        opening.wait(10)  # the switch compares only once stored() opens the blob
+        return real_digest(fd, length)
+
+    monkeypatch.setattr(transfer_mod, "_open_regular", slow_open)
+    monkeypatch.setattr(transfer_mod, "_digest", slow_digest)
+
+    async def scenario() -> None:
+        tasks = TaskSupervisor()
+        leases = Leases()
+        fetcher = Fetcher(FailingCatalog(), blobs, Index(), leases, tasks, SYSTEM_CLOCK)  # type: ignore[arg-type]
+        spec = FetchSpec(KEY, Kind.IMMUTABLE, origin=Origin(body2))  # type: ignore[arg-type]
+        miss = Miss("tools", "raw", spec, None)  # type: ignore[arg-type]
+        leases.results.put_nowait(
+            WaitResult(Verdict.STREAM, fence=1, stream=StreamInfo(name_a, None, TOTAL))
+        )
+        first = await fetcher.fetch(miss, None)
+        assert isinstance(first, Streaming)
+        old = first.transfer
+        got = bytearray()
+        await read_some(old, TOTAL // 2 - 1, got)
+        flight = fetcher._flights[("tools", KEY)]
+        leases.grant = True
+        leases.results.put_nowait(WaitResult(Verdict.TAKEOVER, fence=1))  # A is dead
+        await until(lambda: flight.transfer is not old, 10)  # handed on
+        handed.set()
+        successor = flight.transfer
+        assert successor is not None
+        received = bytearray()
+        try:
+            await until(lambda: ("tools", KEY) not in fetcher._flights)
+            assert successor.concluded()
+            # A client of the successor (it joined after the hand-on) reads now: cut.
+            await asyncio.wait_for(read_some(successor, TOTAL, received), 5)
+            assert bytes(received) == body2, f"got {len(received)} of {TOTAL}"
+            assert successor.error is None
+        finally:
+            handed.set()
+            await tasks.close(1)
+            for t in (old, successor):
+                if t._source is not None:
+                    t._source.close()
+
+    asyncio.run(scenario())
+
+
+def _open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def test_a_temp_file_whose_creation_was_cancelled_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled (shutdown) while ``os.open`` runs in the I/O pool: the open still
+    happens there, and is undone; no file and no descriptor is left."""
+    blobs = BlobStore(tmp_path / "shared")
+    blobs.prepare()
+    real_open = os.open
+    started, release = threading.Event(), threading.Event()
+
+    def slow_open(path: Any, *args: Any, **kw: Any) -> int:
+        if str(path).startswith(str(blobs.tmp_dir)):
+            started.set()
+            release.wait(5)
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(os, "open", slow_open)
+
+    async def scenario() -> None:
+        before = _open_fds()
+        task = asyncio.ensure_future(blobs.new_temp())
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        release.set()
+        await asyncio.sleep(0.2)
+        leaked = _open_fds() - before
+        left = list(blobs.tmp_dir.iterdir())
+        assert not left and not leaked, f"left {left}, fds {leaked}"
+
+    asyncio.run(scenario())
+
+
+def test_discard_cancelled_twice_still_removes_the_temp_file(tmp_path: Path) -> None:
+    """A store cut by two cancellations in a row still removes its temp file."""
+    blobs = BlobStore(tmp_path / "shared")
+    blobs.prepare()
+
+    async def scenario() -> None:
+        before = _open_fds()
+        temp = await blobs.new_temp()
+
+        async def store() -> None:
+            try:
+                await temp.write(b"x" * 100000)
+                await asyncio.sleep(10)
+            except BaseException:
+                await temp.discard()
+                raise
+
+        task = asyncio.ensure_future(store())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        assert not list(blobs.tmp_dir.iterdir())
+        assert not (_open_fds() - before)
+
+    asyncio.run(scenario())
+
+
+def test_a_switch_cancelled_by_shutdown_cuts_the_clients_it_would_have_continued(
+    tmp_path: Path,
+) -> None:
+    """The proxy stops while our clients wait for a new download to catch up with what
+    they were sent: they are cut at once (a 503's worth of reason), not left waiting."""
+    body = os.urandom(TOTAL)
+    old_path, new_path = tmp_path / "a.part", tmp_path / "b.part"
+    old_path.write_bytes(body[: TOTAL // 2])
+    new_path.write_bytes(body[:100])  # far behind what was sent
+
+    async def scenario() -> None:
+        tasks = TaskSupervisor()
+        spawn = tasks.spawn
+        old = await transfer_mod.SharedFile.open(str(old_path), None, TOTAL, spawn, False)
+        transfer = transfer_mod.Transfer(old, spawn)
+        got = bytearray()
+        await read_some(transfer, TOTAL // 2 - 1, got)
+        transfer.lost()
+        new = await transfer_mod.SharedFile.open(str(new_path), None, TOTAL, spawn, False)
+        transfer.replace(new)
+        await asyncio.sleep(0.05)
+        switch = transfer._switch
+        assert switch is not None and not switch.done()
+        switch.cancel()  # what TaskSupervisor.close does at shutdown
+        try:
+            reader = transfer.reader(len(got))
+            with pytest.raises(ShuttingDown):
+                await asyncio.wait_for(reader.next_span(), 2)
+            reader.close()
+            await until(lambda: old.fd is None and new.fd is None, 2)
         finally:
             await tasks.close(1)
 
