@@ -299,23 +299,44 @@ class _Parser:
 
     # -- repositories -------------------------------------------------------------
 
-    def repository(self, raw: object, index: int) -> RepositorySettings[Any] | None:
-        where = f"repositories[{index}]"
+    def table_name(
+        self,
+        raw: object,
+        where: str,
+        what: str,
+        reserved: frozenset[str] | set[str] = frozenset(),
+        hint: str = "",
+    ) -> str | None:
+        """The ``name`` of a ``[[repositories]]``/``[[mirrors]]`` table, or None after
+        recording why it has none that is valid."""
         if not isinstance(raw, dict):
             self.error(where, "must be a table")
             return None
-        name = self.value(raw, where, "name", Text())
+        name: str | None = self.value(raw, where, "name", Text())
         if name is None:
             if "name" not in raw:
                 self.error(f"{where}.name", "is required")
             return None
-        if not _REPO_NAME_RE.match(name) or name in RESERVED_NAMES:
+        if not _REPO_NAME_RE.match(name) or name in reserved:
             self.error(
                 f"{where}.name",
-                f"{name!r} is not a valid repository name; use lower-case letters, digits, "
-                "'.', '_' or '-' (it becomes the first path segment), not healthz/readyz/metrics",
+                f"{name!r} is not a valid {what} name; use lower-case letters, digits, "
+                f"'.', '_' or '-'{hint}",
             )
             return None
+        return name
+
+    def repository(self, raw: object, index: int) -> RepositorySettings[Any] | None:
+        name = self.table_name(
+            raw,
+            f"repositories[{index}]",
+            "repository",
+            RESERVED_NAMES,
+            " (it becomes the first path segment), not healthz/readyz/metrics",
+        )
+        if name is None:
+            return None
+        assert isinstance(raw, dict)
         where = f"repositories.{name}"
         fmt = self.value(raw, where, "format", Text())
         if "format" not in raw:
@@ -394,22 +415,10 @@ class _Parser:
         repositories: list[RepositorySettings[Any]],
         source: str,
     ) -> MirrorSettings | None:
-        where = f"mirrors[{index}]"
-        if not isinstance(raw, dict):
-            self.error(where, "must be a table")
-            return None
-        name = self.value(raw, where, "name", Text())
+        name = self.table_name(raw, f"mirrors[{index}]", "mirror")
         if name is None:
-            if "name" not in raw:
-                self.error(f"{where}.name", "is required")
             return None
-        if not _REPO_NAME_RE.match(name):
-            self.error(
-                f"{where}.name",
-                f"{name!r} is not a valid mirror name; use lower-case letters, digits, "
-                "'.', '_' or '-'",
-            )
-            return None
+        assert isinstance(raw, dict)
         where = f"mirrors.{name}"
         allowed = {"name", "interval", "packages", "sbom", "versions", "repository"}
         for key in raw:

@@ -162,6 +162,23 @@ def test_structural_errors(tmp_path: Path) -> None:
     """,
         )
     )
+    assert _errors(
+        tmp_path,
+        """
+        [[repositories]]
+        format = "raw"
+        [[mirrors]]
+        name = "Bad Name"
+        interval = "1h"
+        [[mirrors]]
+        interval = "1h"
+    """,
+    ) == [
+        "repositories[0].name: is required",
+        "mirrors[0].name: 'Bad Name' is not a valid mirror name; use lower-case letters, "
+        "digits, '.', '_' or '-'",
+        "mirrors[1].name: is required",
+    ]
     assert any("database.url" in e for e in _errors(tmp_path, '[database]\nurl = "mysql://x"\n'))
     assert any(
         "unknown key for format 'pypi'" in e
