@@ -42,17 +42,56 @@ class Index:
         pass
 
 
+class Held:
+    fence = 2
+
+    async def release(self, state: str) -> None:
+        pass
+
+    async def announce_stream(self, stream: Any) -> None:
+        pass
+
+
 class ScriptedLeases:
-    """Never grants the lease; ``wait`` returns what the test feeds it, in order."""
+    """Grants the lease only once ``grant`` is set; ``wait`` returns what the test feeds
+    it, in order."""
 
     def __init__(self) -> None:
         self.results: asyncio.Queue[WaitResult] = asyncio.Queue()
+        self.grant = False
 
-    async def claim(self, repository: str, key: str) -> None:
-        return None
+    async def claim(self, repository: str, key: str) -> Held | None:
+        return Held() if self.grant else None
 
     async def wait(self, repository: str, key: str, find_entry: Any, following: Any) -> WaitResult:
         return await self.results.get()
+
+
+def scripted_fetcher(
+    blobs: BlobStore,
+    leases: ScriptedLeases,
+    tasks: TaskSupervisor,
+    catalog: Any = None,
+    origin: Any = None,
+) -> tuple[Fetcher, Miss]:
+    fetcher = Fetcher(catalog or NoEntries(), blobs, Index(), leases, tasks, SYSTEM_CLOCK)  # type: ignore[arg-type]
+    miss = Miss("tools", "raw", FetchSpec(KEY, Kind.IMMUTABLE, origin=origin), None)  # type: ignore[arg-type]
+    return fetcher, miss
+
+
+async def follow_half(
+    fetcher: Fetcher, miss: Miss, leases: ScriptedLeases, name: str
+) -> transfer_mod.Transfer:
+    """A client of ours reads holder A's file ``name`` (half the body) up to its end."""
+    leases.results.put_nowait(
+        WaitResult(Verdict.STREAM, fence=1, stream=StreamInfo(name, None, TOTAL))
+    )
+    first = await fetcher.fetch(miss, None)
+    assert isinstance(first, Streaming)
+    got = bytearray()
+    await read_some(first.transfer, TOTAL // 2 - 1, got)
+    assert len(got) == TOTAL // 2 - 1
+    return first.transfer
 
 
 async def until(predicate: Any, timeout_s: float = 5.0) -> None:
@@ -75,7 +114,7 @@ async def read_some(transfer: transfer_mod.Transfer, want: int, into: bytearray)
         reader.close()
 
 
-def test_a_successor_handed_on_while_the_blob_opens_is_never_concluded(
+def test_a_successor_handed_on_while_the_blob_opens_is_concluded_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The follower read holder A's file; A died; B's download (a changed body) is being
@@ -111,18 +150,8 @@ def test_a_successor_handed_on_while_the_blob_opens_is_never_concluded(
     async def scenario() -> None:
         tasks = TaskSupervisor()
         leases = ScriptedLeases()
-        fetcher = Fetcher(NoEntries(), blobs, Index(), leases, tasks, SYSTEM_CLOCK)  # type: ignore[arg-type]
-        miss = Miss("tools", "raw", FetchSpec(KEY, Kind.IMMUTABLE, origin=None), None)  # type: ignore[arg-type]
-
-        leases.results.put_nowait(
-            WaitResult(Verdict.STREAM, fence=1, stream=StreamInfo(name_a, None, TOTAL))
-        )
-        first = await fetcher.fetch(miss, None)
-        assert isinstance(first, Streaming)
-        old = first.transfer
-        got = bytearray()
-        await read_some(old, TOTAL // 2 - 1, got)  # the client has half the body
-        assert len(got) == TOTAL // 2 - 1
+        fetcher, miss = scripted_fetcher(blobs, leases, tasks)
+        old = await follow_half(fetcher, miss, leases, name_a)
 
         leases.results.put_nowait(WaitResult(Verdict.TAKEOVER, fence=1))  # A is dead
         leases.results.put_nowait(
@@ -184,16 +213,8 @@ def test_a_switch_that_cannot_compare_cuts_with_a_proxy_error_and_hands_the_body
     async def scenario() -> None:
         tasks = TaskSupervisor()
         leases = ScriptedLeases()
-        fetcher = Fetcher(NoEntries(), blobs, Index(), leases, tasks, SYSTEM_CLOCK)  # type: ignore[arg-type]
-        miss = Miss("tools", "raw", FetchSpec(KEY, Kind.IMMUTABLE, origin=None), None)  # type: ignore[arg-type]
-        leases.results.put_nowait(
-            WaitResult(Verdict.STREAM, fence=1, stream=StreamInfo(name_a, None, TOTAL))
-        )
-        first = await fetcher.fetch(miss, None)
-        assert isinstance(first, Streaming)
-        old = first.transfer
-        got = bytearray()
-        await read_some(old, TOTAL // 2 - 1, got)
+        fetcher, miss = scripted_fetcher(blobs, leases, tasks)
+        old = await follow_half(fetcher, miss, leases, name_a)
         os.truncate(blobs.tmp_dir / name_a, 100)  # A's file on the shared volume
         leases.results.put_nowait(WaitResult(Verdict.TAKEOVER, fence=1))
         leases.results.put_nowait(
@@ -299,30 +320,6 @@ class FailingCatalog:
         raise CatalogError("the database is down")
 
 
-class Held:
-    fence = 2
-
-    async def release(self, state: str) -> None:
-        pass
-
-    async def announce_stream(self, stream: Any) -> None:
-        pass
-
-
-class Leases:
-    """Not granted until ``grant`` is set; ``wait`` returns what the test feeds it."""
-
-    def __init__(self) -> None:
-        self.results: asyncio.Queue[WaitResult] = asyncio.Queue()
-        self.grant = False
-
-    async def claim(self, repository: str, key: str) -> Any:
-        return Held() if self.grant else None
-
-    async def wait(self, repository: str, key: str, find_entry: Any, following: Any) -> WaitResult:
-        return await self.results.get()
-
-
 class Origin:
     def __init__(self, body: bytes) -> None:
         self.body = body
@@ -370,18 +367,9 @@ def test_a_successor_handed_on_when_the_entry_cannot_be_recorded_still_gets_the_
 
     async def scenario() -> None:
         tasks = TaskSupervisor()
-        leases = Leases()
-        fetcher = Fetcher(FailingCatalog(), blobs, Index(), leases, tasks, SYSTEM_CLOCK)  # type: ignore[arg-type]
-        spec = FetchSpec(KEY, Kind.IMMUTABLE, origin=Origin(body2))  # type: ignore[arg-type]
-        miss = Miss("tools", "raw", spec, None)  # type: ignore[arg-type]
-        leases.results.put_nowait(
-            WaitResult(Verdict.STREAM, fence=1, stream=StreamInfo(name_a, None, TOTAL))
-        )
-        first = await fetcher.fetch(miss, None)
-        assert isinstance(first, Streaming)
-        old = first.transfer
-        got = bytearray()
-        await read_some(old, TOTAL // 2 - 1, got)
+        leases = ScriptedLeases()
+        fetcher, miss = scripted_fetcher(blobs, leases, tasks, FailingCatalog(), Origin(body2))
+        old = await follow_half(fetcher, miss, leases, name_a)
         flight = fetcher._flights[("tools", KEY)]
         leases.grant = True
         leases.results.put_nowait(WaitResult(Verdict.TAKEOVER, fence=1))  # A is dead
