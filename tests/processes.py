@@ -19,26 +19,28 @@ READY_TIMEOUT_S = 60.0
 class ProxyProcess:
     def __init__(
         self,
-        config: Path,
+        config: Path | None,
         log_dir: Path,
         name: str,
         env: dict[str, str] | None = None,
         workers: int = 1,
     ) -> None:
+        """``config`` None: the embedded defaults. The runner's own ``PROXY_*`` variables
+        are not passed on: a test's proxy gets only the settings the test gives it."""
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        self.env = {**os.environ, **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+        self.env = {**inherited, **(env or {})}
         self.workers = workers
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ProxyProcess:
-        argv = [
-            sys.executable, "-m", "proxy", "serve",
-            "--config", str(self.config), "--listen", f"127.0.0.1:{self.port}",
-        ]  # fmt: skip
+        argv = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}"]
+        if self.config is not None:
+            argv += ["--config", str(self.config)]
         if self.workers != 1:
             argv += ["--workers", str(self.workers)]
         log = self.log_path.open("ab")

@@ -8,8 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,6 @@ import pytest
 from proxy.http_protocol import HEAD_TIMEOUT_S, MAX_HEAD_BYTES
 from tests import hostile
 from tests.conftest import write_config
-from tests.pg import free_port
 from tests.processes import ProxyProcess
 from tests.upstream import FakeUpstream
 
@@ -175,32 +172,17 @@ def test_a_users_metrics_folder_is_kept_with_workers(tmp_path: Path) -> None:
     (metrics_dir / "subfolder").mkdir(parents=True)
     (metrics_dir / "notes.txt").write_text("mine")
     (metrics_dir / "counter_999999999.db").write_bytes(b"not ours")  # looks like a metrics file
-    port = free_port()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
-    env = {
-        **clean,
-        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-        "PROXY_STORAGE_PATH": str(tmp_path / "d"),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--workers", "2", "--listen", f"127.0.0.1:{port}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PROXY_STORAGE_PATH": str(tmp_path / "d")}
+    proxy = ProxyProcess(None, tmp_path, "workers", env=env, workers=2).start()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        proxy.wait_ready()
         for _ in range(4):
-            httpx.get(f"http://127.0.0.1:{port}/gradle-cache/abc", timeout=5)
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            httpx.get(f"{proxy.url}/gradle-cache/abc", timeout=5)
+        text = httpx.get(f"{proxy.url}/metrics").text
         assert 'proxy_http_requests_total{method="GET",repository="gradle-cache"' in text
     finally:
-        process.terminate()
-        output = process.communicate(timeout=60)[0].decode()
+        proxy.stop()
+    output = proxy.log()
     assert (metrics_dir / "notes.txt").read_text() == "mine"
     assert (metrics_dir / "subfolder").is_dir()
     assert (metrics_dir / "counter_999999999.db").read_bytes() == b"not ours"
@@ -214,27 +196,12 @@ def test_a_users_metrics_folder_is_kept_with_workers(tmp_path: Path) -> None:
 
 def test_a_metrics_folder_that_does_not_exist_yet_is_created(tmp_path: Path) -> None:
     metrics_dir = tmp_path / "not-yet"
-    port = free_port()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
-    env = {
-        **clean,
-        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-        "PROXY_STORAGE_PATH": str(tmp_path / "d"),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{port}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PROXY_STORAGE_PATH": str(tmp_path / "d")}
+    proxy = ProxyProcess(None, tmp_path, "single", env=env).start()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+        proxy.wait_ready()
+        assert httpx.get(f"{proxy.url}/metrics").status_code == 200
     finally:
-        process.terminate()
-        output = process.communicate(timeout=60)[0].decode()
+        proxy.stop()
+    output = proxy.log()
     assert metrics_dir.is_dir() and "Traceback" not in output, output
