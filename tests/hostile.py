@@ -158,14 +158,7 @@ def trickle(body: bytes, every_s: float, announce_length: bool = True) -> Behavi
         else:
             headers.append((b"connection", b"close"))
         writer.write(head(200, headers))
-        started = time.monotonic()
-        for byte in body:
-            if time.monotonic() - started > HANG_S:
-                break
-            writer.write(bytes([byte]))
-            await writer.drain()
-            await asyncio.sleep(every_s)
-        writer.close()
+        await _drip(writer, body, every_s)
 
     return send
 
@@ -174,16 +167,21 @@ def trickle_head(every_s: float) -> Behaviour:
     """A response head sent one byte at a time, never finished within HANG_S."""
 
     async def send(writer: asyncio.StreamWriter, request: Request) -> None:
-        started = time.monotonic()
-        for byte in b"HTTP/1.1 200 OK\r\nx-slow: " + b"a" * 100_000:
-            if time.monotonic() - started > HANG_S:
-                break
-            writer.write(bytes([byte]))
-            await writer.drain()
-            await asyncio.sleep(every_s)
-        writer.close()
+        await _drip(writer, b"HTTP/1.1 200 OK\r\nx-slow: " + b"a" * 100_000, every_s)
 
     return send
+
+
+async def _drip(writer: asyncio.StreamWriter, data: bytes, every_s: float) -> None:
+    """``data`` one byte every ``every_s`` seconds, for HANG_S at most; then close."""
+    started = time.monotonic()
+    for byte in data:
+        if time.monotonic() - started > HANG_S:
+            break
+        writer.write(bytes([byte]))
+        await writer.drain()
+        await asyncio.sleep(every_s)
+    writer.close()
 
 
 def hang() -> Behaviour:
