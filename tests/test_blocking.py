@@ -37,7 +37,9 @@ def gone(pid: int) -> bool:
     """Has process ``pid`` ended (exited, or a zombie waiting to be reaped)?"""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # the entry vanishes when the process is reaped: between open and read the
+        # read fails with ESRCH instead of the open failing with ENOENT
         return True
     return "\nState:\tZ" in status
 
