@@ -239,7 +239,7 @@ class Upstream:
                 async with asyncio.timeout_at(_loop_deadline(deadline)):
                     target = await self.policy.vet(url)  # may resolve a name
             except TimeoutError:
-                raise self._past_deadline(host, "resolving its name") from None
+                raise self.past_deadline(host, "resolving its name") from None
             request_headers = dict(headers or {})
             if target.host_header is not None:
                 request_headers["Host"] = target.host_header
@@ -259,7 +259,7 @@ class Upstream:
                     response = await self.pool.client.send(request, stream=True)
             except TimeoutError as exc:
                 if head_deadline >= deadline:
-                    raise self._past_deadline(host, "waiting for a response head") from exc
+                    raise self.past_deadline(host, "waiting for a response head") from exc
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
                 raise UpstreamTimeout(
                     f"upstream {host} sent no complete response head within "
@@ -307,10 +307,11 @@ class Upstream:
     async def _pause(self, wait_s: float, host: str, deadline: float) -> None:
         """Wait before a retry, unless the transfer deadline comes first."""
         if time.monotonic() + wait_s >= deadline:
-            raise self._past_deadline(host, "retrying")
+            raise self.past_deadline(host, "retrying")
         await asyncio.sleep(wait_s)
 
-    def _past_deadline(self, host: str, doing: str) -> UpstreamTimeout:
+    def past_deadline(self, host: str, doing: str) -> UpstreamTimeout:
+        """The error (counted) for a transfer past ``upstream.transfer_timeout``."""
         metrics.UPSTREAM_ERRORS.labels(host=host, reason="deadline").inc()
         return UpstreamTimeout(
             f"upstream {host} did not finish within upstream.transfer_timeout "
@@ -370,11 +371,8 @@ class UpstreamAnswer:
             except StopAsyncIteration:
                 break
             except TimeoutError as exc:
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason="deadline").inc()
-                raise UpstreamTimeout(
-                    f"upstream {host} did not finish within upstream.transfer_timeout "
-                    f"({format_duration(settings.transfer_timeout_s)}): {received} bytes"
-                ) from exc
+                doing = f"sending the body ({received} bytes so far)"
+                raise self._upstream.past_deadline(host, doing) from exc
             except httpx.TimeoutException as exc:
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
                 raise UpstreamTimeout(
