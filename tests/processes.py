@@ -90,10 +90,42 @@ class ProxyProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def rss_mib(self) -> float:
+        """The process's resident memory now, in MiB."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample from /metrics (0.0 if absent)."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         return metric_value(text, name, **labels)
+
+
+def start_replicas(
+    started: list[ProxyProcess],
+    config: Path,
+    log_dir: Path,
+    count: int,
+    workers: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[ProxyProcess]:
+    """Start ``count`` replicas on ``config`` together and wait until each is ready.
+    They join ``started`` first, so the caller stops them even if one never gets ready.
+    Names go on from the replica logs already in ``log_dir``: two fleets of one test
+    never share a log."""
+    first = len(list(log_dir.glob("replica-*.log")))
+    new = [
+        ProxyProcess(config, log_dir, f"replica-{first + i}", env=env, workers=workers)
+        for i in range(count)
+    ]
+    started += new
+    for replica in new:
+        replica.start()
+    for replica in new:
+        replica.wait_ready()
+    return new
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -62,13 +62,6 @@ def big_index() -> Iterator[HostileUpstream]:
     server.stop()
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_big_pages_are_served_while_hits_stay_fast(
     tmp_path: Path, big_index: HostileUpstream, upstream: FakeUpstream
 ) -> None:
@@ -128,13 +121,13 @@ def _fetch_during_hits(
     )
     page.start()
     slowest_hit = 0.0
-    peak_rss = rss_mib(proxy.pid)
+    peak_rss = proxy.rss_mib()
     deadline = time.monotonic() + 120
     while page.is_alive() and time.monotonic() < deadline:
         started = time.monotonic()
         assert hits.get(proxy.url + "/files/hit.bin").status_code == 200
         slowest_hit = max(slowest_hit, time.monotonic() - started)
-        peak_rss = max(peak_rss, rss_mib(proxy.pid))
+        peak_rss = max(peak_rss, proxy.rss_mib())
         time.sleep(0.02)
     page.join(5)
     return slowest_hit, peak_rss, result[0]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.pg import PostgresServer
-from tests.processes import ProxyProcess
+from tests.processes import ProxyProcess, start_replicas
 from tests.upstream import FakeUpstream, ProjectFile
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -71,16 +71,7 @@ class Fleet:
         self.replicas: list[ProxyProcess] = []
 
     def start(self, count: int, env: dict[str, str] | None = None) -> list[ProxyProcess]:
-        new = [
-            ProxyProcess(self.config, self.tmp_path, f"replica-{len(self.replicas) + i}", env=env)
-            for i in range(count)
-        ]
-        for replica in new:
-            replica.start()
-        for replica in new:
-            replica.wait_ready()
-        self.replicas += new
-        return new
+        return start_replicas(self.replicas, self.config, self.tmp_path, count, env=env)
 
     def stop(self) -> None:
         for replica in self.replicas:

@@ -23,7 +23,7 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.processes import ProxyProcess
+from tests.processes import ProxyProcess, start_replicas
 from tests.upstream import FakeUpstream, ProjectFile
 
 pytestmark = pytest.mark.slow
@@ -78,21 +78,6 @@ def processes() -> Iterator[list[ProxyProcess]]:
     yield started
     for process in started:
         process.stop()
-
-
-def start(
-    processes: list[ProxyProcess], path: Path, tmp_path: Path, count: int, workers: int = 1
-) -> list[ProxyProcess]:
-    new = [
-        ProxyProcess(path, tmp_path, f"replica-{len(processes) + i}", workers=workers)
-        for i in range(count)
-    ]
-    processes.extend(new)
-    for process in new:
-        process.start()
-    for process in new:
-        process.wait_ready()
-    return new
 
 
 class Db:
@@ -169,7 +154,7 @@ def evicts_the_overshoot_once(
 ) -> None:  # fmt: skip
     storage = 'max_size = "2MB"\nlow_watermark = "80%"'
     path = config(tmp_path, db_url, upstream, storage=storage)
-    fleet = start(processes, path, tmp_path, replicas, workers)
+    fleet = start_replicas(processes, path, tmp_path, replicas, workers)
     db = Db(db_url)
     wait_for("the first evict pass", lambda: log_count(fleet, "job evict:") >= 1)
     fill(fleet, upstream, 30, 100 * KB)  # 3MB: 1MB over max_size
@@ -225,7 +210,7 @@ def test_clients_reading_what_eviction_selects_get_every_byte(
     upstream.add_project("arriving", [arriving])
     upstream.fault(f"/packages/{arriving.filename}", chunk_size=MiB, chunk_delay_s=0.5)
     path = config(tmp_path, pg_url, upstream, storage='max_size = "10MB"')
-    reader, evictor = start(processes, path, tmp_path, 2)
+    reader, evictor = start_replicas(processes, path, tmp_path, 2)
     db = Db(pg_url)
     wait_for("the first evict pass", lambda: log_count([reader, evictor], "job evict:") >= 1)
     assert httpx.get(reader.url + "/pypi/simple/arriving/").status_code == 200
@@ -308,7 +293,7 @@ def test_a_mirror_over_three_replicas_fetches_each_file_once_per_interval(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, processes: list[ProxyProcess]
 ) -> None:
     paths = add_packages(upstream)
-    fleet = start(processes, config(tmp_path, pg_url, upstream, extra=MIRROR), tmp_path, 3)
+    fleet = start_replicas(processes, config(tmp_path, pg_url, upstream, extra=MIRROR), tmp_path, 3)
     db = Db(pg_url)
     wait_for("the mirror run", lambda: db.job_run("mirror:nightly")[2] == "ok")
     assert [upstream.count(p) for p in paths] == [1] * len(paths)
@@ -339,7 +324,7 @@ def test_sigterm_of_the_replica_running_a_mirror_hands_the_run_over(
     paths = add_packages(upstream, size=4 * MiB)
     for p in paths:
         upstream.fault(p, chunk_size=MiB, chunk_delay_s=0.5)  # each file takes ~2s
-    fleet = start(processes, config(tmp_path, pg_url, upstream, extra=MIRROR), tmp_path, 3)
+    fleet = start_replicas(processes, config(tmp_path, pg_url, upstream, extra=MIRROR), tmp_path, 3)
     db = Db(pg_url)
     wait_for("a file download", lambda: sum(upstream.count(p) for p in paths) >= 1)
     run_id, holder, outcome = db.job_run("mirror:nightly")

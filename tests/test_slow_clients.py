@@ -44,13 +44,6 @@ def proxy(tmp_path: Path, upstream: FakeUpstream) -> Iterator[ProxyProcess]:
     process.stop()
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_half_sent_heads_time_out_and_the_proxy_keeps_serving(
     proxy: ProxyProcess, upstream: FakeUpstream
 ) -> None:
@@ -70,7 +63,7 @@ def test_half_sent_heads_time_out_and_the_proxy_keeps_serving(
 
 
 def test_a_huge_head_is_refused_before_it_is_buffered(proxy: ProxyProcess) -> None:
-    before = rss_mib(proxy.pid)
+    before = proxy.rss_mib()
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
         sock.sendall(b"GET /files/a.txt HTTP/1.1\r\nX-Long: ")
         sent = 0
@@ -83,7 +76,7 @@ def test_a_huge_head_is_refused_before_it_is_buffered(proxy: ProxyProcess) -> No
         answer = hostile.closed_by_server(sock, 10)
     assert sent < 8 * MiB, f"{sent} bytes were taken before the refusal"
     assert answer is None or answer == b"" or answer.startswith(b"HTTP/1.1 431")
-    assert rss_mib(proxy.pid) - before < 32
+    assert proxy.rss_mib() - before < 32
     assert MiB > MAX_HEAD_BYTES
 
 
@@ -92,7 +85,7 @@ def test_clients_that_never_read_cost_a_bounded_buffer_each(
 ) -> None:
     upstream.files["/big.bin"] = os.urandom(8 * MiB)
     assert len(httpx.get(proxy.url + "/files/big.bin", timeout=30).content) == 8 * MiB
-    before = rss_mib(proxy.pid)
+    before = proxy.rss_mib()
     request = b"GET /files/big.bin HTTP/1.1\r\nHost: x\r\n\r\n"
     sockets = []
     for _ in range(300):
@@ -102,7 +95,7 @@ def test_clients_that_never_read_cost_a_bounded_buffer_each(
         sockets.append(sock)
     try:
         time.sleep(3)  # every response has stalled on its client by now
-        grown = rss_mib(proxy.pid) - before
+        grown = proxy.rss_mib() - before
         print(f"300 stalled clients: +{grown:.0f} MiB")
         assert grown < 300, f"300 stalled clients cost {grown:.0f} MiB"  # was 669 MiB
         assert httpx.get(proxy.url + "/healthz", timeout=5).status_code == 200

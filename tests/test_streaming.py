@@ -23,9 +23,8 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.conftest import write_config
 from tests.processes import ProxyProcess
-from tests.test_fleet import wait_for_holder
+from tests.test_fleet import Fleet, fleet_config, wait_for_holder
 from tests.upstream import FakeUpstream, ProjectFile
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -35,51 +34,39 @@ PATH = "/releases/tool-1.0.tar.gz"
 KEY = "tools/tool-1.0.tar.gz"
 
 
-def fleet_config(tmp_path: Path, db_url: str, upstream: str, ttl: str = "2s") -> Path:
-    return write_config(
-        tmp_path,
-        f"""
-        [database]
-        url = "{db_url}"
-        [storage]
-        path = "{tmp_path / "shared"}"
-        [upstream]
-        connect_timeout = "2s"
-        read_timeout = "10s"
-        retries = 0
-        [leases]
-        ttl = "{ttl}"
-        poll_interval = "250ms"
-        [[repositories]]
-        name = "tools"
-        format = "raw"
-        upstream = "{upstream}/releases/"
-        [[repositories]]
-        name = "pypi"
-        format = "pypi"
-        upstream = "{upstream}/simple/"
-        """,
-    )
+TOOLS = """
+[[repositories]]
+name = "tools"
+format = "raw"
+upstream = "{upstream}/releases/"
+"""
+
+StartReplicas = Callable[..., list[ProxyProcess]]
 
 
 @pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[list[ProxyProcess]]:
-    started: list[ProxyProcess] = []
-    yield started
-    for replica in started:
-        replica.stop()
+def start(tmp_path: Path, pg_url: str, upstream: FakeUpstream) -> Iterator[StartReplicas]:
+    """``start(count, ttl=...)``: that many replicas on one database and one folder,
+    serving the ``tools`` (raw) and ``pypi`` repositories from ``upstream``; stopped
+    after the test."""
+    fleets: list[Fleet] = []
 
+    def start_replicas(count: int, ttl: str = "2s") -> list[ProxyProcess]:
+        config = fleet_config(
+            tmp_path,
+            pg_url,
+            upstream.base_url,
+            ttl=ttl,
+            read_timeout="10s",
+            extra=TOOLS.format(upstream=upstream.base_url),
+            name=f"fleet-{len(fleets)}.toml",
+        )
+        fleets.append(Fleet(tmp_path, config))
+        return fleets[-1].start(count)
 
-def start(
-    started: list[ProxyProcess], config: Path, tmp_path: Path, count: int
-) -> list[ProxyProcess]:
-    new = [ProxyProcess(config, tmp_path, f"r{len(started) + i}") for i in range(count)]
-    for replica in new:
-        replica.start()
-    for replica in new:
-        replica.wait_ready()
-    started += new
-    return new
+    yield start_replicas
+    for fleet in fleets:
+        fleet.stop()
 
 
 @dataclass
@@ -139,14 +126,12 @@ async def holder_then_waiters(
 
 
 def test_waiting_replicas_stream_from_the_holders_first_bytes(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, replicas: list[ProxyProcess]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, start: StartReplicas
 ) -> None:
     body = os.urandom(6 * MiB)
     upstream.files[PATH] = body
     upstream.fault(PATH, chunk_size=256 * 1024, chunk_delay_s=0.1)  # ~2.5 MB/s: ~2.4 s
-    holder, *waiters = start(
-        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
-    )
+    holder, *waiters = start(3)
 
     results = asyncio.run(holder_then_waiters(holder, waiters, pg_url, 5))
     expected = hashlib.sha256(body).hexdigest()
@@ -171,15 +156,13 @@ def test_clients_on_other_replicas_continue_when_the_holder_dies(
     tmp_path: Path,
     pg_url: str,
     upstream: FakeUpstream,
-    replicas: list[ProxyProcess],
+    start: StartReplicas,
     sig: signal.Signals,
 ) -> None:
     body = os.urandom(8 * MiB)
     upstream.files[PATH] = body
     upstream.fault(PATH, chunk_size=256 * 1024, chunk_delay_s=0.1)
-    holder, *waiters = start(
-        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
-    )
+    holder, *waiters = start(3)
 
     async def kill_holder() -> None:
         await asyncio.sleep(1.2)  # every client has part of the body
@@ -195,15 +178,13 @@ def test_clients_on_other_replicas_continue_when_the_holder_dies(
 
 
 def test_a_changed_body_cuts_the_clients_instead_of_splicing(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, replicas: list[ProxyProcess]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, start: StartReplicas
 ) -> None:
     first_body = os.urandom(8 * MiB)
     second_body = os.urandom(8 * MiB)  # same length, other bytes: the upstream changed it
     upstream.files[PATH] = first_body
     upstream.fault(PATH, chunk_size=256 * 1024, chunk_delay_s=0.1)
-    holder, *waiters = start(
-        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
-    )
+    holder, *waiters = start(3)
 
     async def change_and_kill() -> None:
         await asyncio.sleep(1.2)
@@ -225,14 +206,12 @@ def test_a_changed_body_cuts_the_clients_instead_of_splicing(
 
 
 def test_a_digest_mismatch_at_the_end_cuts_every_replicas_clients_and_stores_nothing(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, replicas: list[ProxyProcess]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, start: StartReplicas
 ) -> None:
     body = os.urandom(6 * MiB)
     upstream.add_project("big", [ProjectFile("big-1.0.tar.gz", body, listed_sha256="0" * 64)])
     upstream.fault("/packages/big-1.0.tar.gz", chunk_size=256 * 1024, chunk_delay_s=0.1)
-    holder, *waiters = start(
-        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
-    )
+    holder, *waiters = start(3)
     assert httpx.get(holder.url + "/pypi/simple/big/").status_code == 200
 
     results = asyncio.run(
@@ -280,7 +259,7 @@ def test_a_takeover_download_that_never_streams_still_ends_the_followers_clients
     tmp_path: Path,
     pg_url: str,
     upstream: FakeUpstream,
-    replicas: list[ProxyProcess],
+    start: StartReplicas,
     takeover: str,
 ) -> None:
     """The replica that takes over gets the body in one write, or with no length (it
@@ -289,9 +268,7 @@ def test_a_takeover_download_that_never_streams_still_ends_the_followers_clients
     body = os.urandom(40 * 1024)
     upstream.files[PATH] = body
     upstream.fault(PATH, chunk_size=4 * 1024, chunk_delay_s=0.2)  # ~2 s
-    holder, *waiters = start(
-        replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 3
-    )
+    holder, *waiters = start(3)
 
     async def kill_then_change_upstream() -> None:
         await asyncio.sleep(1.0)
@@ -320,7 +297,7 @@ def test_a_takeover_download_that_never_streams_still_ends_the_followers_clients
 
 
 def test_a_claim_won_after_the_holder_stored_it_finishes_the_followers_clients(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, replicas: list[ProxyProcess]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, start: StartReplicas
 ) -> None:
     """The waiter follows the holder's file and claims the lease just as the holder stores
     the entry and releases it: the claim wins, finds the entry, and its clients must get
@@ -329,7 +306,7 @@ def test_a_claim_won_after_the_holder_stored_it_finishes_the_followers_clients(
     body = os.urandom(2 * MiB)
     upstream.files[PATH] = body
     upstream.fault(PATH, chunk_size=128 * 1024, chunk_delay_s=0.1)  # ~1.6 s
-    holder, waiter = start(replicas, fleet_config(tmp_path, pg_url, upstream.base_url), tmp_path, 2)
+    holder, waiter = start(2)
 
     async def slow_claims_for_the_waiter() -> None:
         conn = await asyncpg.connect(pg_url)
@@ -366,7 +343,7 @@ def test_forged_announcements_are_never_served(
     tmp_path: Path,
     pg_url: str,
     upstream: FakeUpstream,
-    replicas: list[ProxyProcess],
+    start: StartReplicas,
     forgery: str,
 ) -> None:
     """Someone who can write the lease table or the shared folder names a symlink to a
@@ -375,9 +352,7 @@ def test_forged_announcements_are_never_served(
     body = os.urandom(2 * MiB)
     upstream.files[PATH] = body
     upstream.fault(PATH, chunk_size=128 * 1024, chunk_delay_s=0.2)  # ~3.2 s
-    holder, waiter = start(
-        replicas, fleet_config(tmp_path, pg_url, upstream.base_url, ttl="3s"), tmp_path, 2
-    )
+    holder, waiter = start(2, ttl="3s")
     secret = tmp_path / "secret.txt"
     secret.write_bytes(b"SECRET " * 400_000)
 
