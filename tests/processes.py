@@ -14,6 +14,7 @@ import httpx
 from tests.pg import free_port
 
 READY_TIMEOUT_S = 60.0
+PORT_RETRIES = 3
 
 
 class ProxyProcess:
@@ -36,8 +37,10 @@ class ProxyProcess:
         self.env = {**inherited, **(env or {})}
         self.workers = workers
         self.process: subprocess.Popen[bytes] | None = None
+        self._log_start = 0
 
     def start(self) -> ProxyProcess:
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         argv = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}"]
         if self.config is not None:
             argv += ["--config", str(self.config)]
@@ -50,9 +53,18 @@ class ProxyProcess:
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> ProxyProcess:
         deadline = time.monotonic() + timeout_s
+        port_retries = PORT_RETRIES
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
+                if port_retries and "Address already in use" in self.log()[self._log_start :]:
+                    # free_port's port was taken before we bound it (by an outgoing
+                    # connection's ephemeral port, say): the test is not at fault.
+                    port_retries -= 1
+                    self.port = free_port()
+                    self.url = f"http://127.0.0.1:{self.port}"
+                    self.start()
+                    continue
                 raise RuntimeError(
                     f"{self.name} exited with {self.process.returncode}:\n{self.log()}"
                 )
