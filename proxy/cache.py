@@ -213,8 +213,11 @@ class RepositoryView:
 
     async def _outcome(self, spec: FetchSpec) -> tuple[Outcome, bool]:
         """The key's outcome, and whether it was a fresh hit (no fetch at all)."""
+        return await self._outcome_of(spec, await self.cache.lookup(self.name, spec.key))
+
+    async def _outcome_of(self, spec: FetchSpec, entry: Entry | None) -> tuple[Outcome, bool]:
+        """``_outcome`` when the key's entry (or its absence) is known already."""
         cache = self.cache
-        entry = await cache.lookup(self.name, spec.key)
         if entry is not None and entry.is_fresh(cache.clock.now_ms()):
             if entry.kind is Kind.NEGATIVE:
                 metrics.NEGATIVE_HITS.labels(repository=self.name).inc()
@@ -229,6 +232,29 @@ class RepositoryView:
     async def _fetch(self, spec: FetchSpec, stale: Entry | None) -> Outcome:
         miss = Miss(self.name, self.format, spec, self.origin_context)
         return await self.cache.fetcher.fetch(miss, stale)
+
+    async def _refetch(self, spec: FetchSpec, entry: Entry) -> Outcome:
+        """The blob went away under ``entry`` (evicted by another replica, or removed by
+        hand): forget the entry and fetch again."""
+        await self.cache.forget(entry)
+        metrics.CACHE_MISSES.labels(self.name, self.format, spec.kind.value).inc()
+        return await self._fetch(spec, stale=None)
+
+    @staticmethod
+    def _vanished(spec: FetchSpec) -> StorageError:
+        # A fetch just stored this blob and it is gone again: the storage is at fault,
+        # never the artifact (a 404 would make clients believe it does not exist).
+        return StorageError(f"{spec.key}: its blob vanished right after it was stored")
+
+    @staticmethod
+    async def _entry_of(spec: FetchSpec, outcome: Stored | Stale | Streaming) -> Entry:
+        """The entry an outcome ends with: a download's once it is stored and recorded."""
+        if not isinstance(outcome, Streaming):
+            return outcome.entry
+        entry = await outcome.transfer.result()
+        if entry is None:
+            raise UpstreamUnavailable(f"{spec.key}: not recorded yet; retry", status=503)
+        return entry
 
     async def respond(
         self,
@@ -249,14 +275,8 @@ class RepositoryView:
                 assert isinstance(outcome, Stored | Stale)
                 if attempt == 2:
                     break
-                # The blob went away under the entry (evicted by another replica, or
-                # removed by hand): forget the entry and fetch again, once.
-                await self.cache.forget(outcome.entry)
-                metrics.CACHE_MISSES.labels(self.name, self.format, spec.kind.value).inc()
-                outcome = await self._fetch(spec, stale=None)
-        # A fetch just stored this blob and it is gone again: the storage is at fault,
-        # never the artifact (a 404 would make clients believe it does not exist).
-        raise StorageError(f"{spec.key}: its blob vanished right after it was stored")
+                outcome = await self._refetch(spec, outcome.entry)  # once
+        raise self._vanished(spec)
 
     async def _render(
         self, outcome: Outcome, spec: FetchSpec, request: Request, extra: dict[str, str]
@@ -308,7 +328,7 @@ class RepositoryView:
         existing = await self.cache.lookup(self.name, spec.key)
         if existing is not None and existing.sha256 is not None:
             return existing.digests  # expired or not: it is what clients were given
-        outcome, _hit = await self._outcome(spec)
+        outcome, _hit = await self._outcome_of(spec, existing)
         if isinstance(outcome, Missing):
             raise NotFound(outcome.message)
         if isinstance(outcome, Inline):
@@ -316,13 +336,7 @@ class RepositoryView:
                 name: hashlib.new(name, outcome.body).hexdigest()
                 for name in ("md5", "sha1", "sha256", "sha512")
             }
-        if isinstance(outcome, Streaming):
-            entry = await outcome.transfer.result()
-        else:
-            entry = outcome.entry
-        if entry is None:
-            raise UpstreamUnavailable(f"{spec.key}: checksum not available yet; retry", status=503)
-        return entry.digests
+        return (await self._entry_of(spec, outcome)).digests
 
     async def read(self, spec: FetchSpec, limit: int) -> bytes:
         outcome, _hit = await self._outcome(spec)
@@ -332,13 +346,7 @@ class RepositoryView:
             if isinstance(outcome, Inline):
                 body = outcome.body
             else:
-                if isinstance(outcome, Streaming):
-                    stored = await outcome.transfer.result()
-                    if stored is None:
-                        raise UpstreamUnavailable(f"{spec.key}: stored but not recorded; retry")
-                    entry = stored
-                else:
-                    entry = outcome.entry
+                entry = await self._entry_of(spec, outcome)
                 assert entry.sha256 is not None
                 if entry.size > limit:
                     raise UpstreamError(f"{spec.key}: {entry.size} bytes, over {limit}")
@@ -347,13 +355,12 @@ class RepositoryView:
                 except FileNotFoundError:
                     if attempt == 2:
                         break
-                    await self.cache.forget(entry)
-                    outcome = await self._fetch(spec, stale=None)
+                    outcome = await self._refetch(spec, entry)
                     continue
             if len(body) > limit:
                 raise UpstreamError(f"{spec.key}: {len(body)} bytes, over {limit}")
             return body
-        raise StorageError(f"{spec.key}: its blob vanished right after it was stored")
+        raise self._vanished(spec)
 
     async def warm(self, spec: FetchSpec) -> WarmResult:
         outcome, hit = await self._outcome(spec)
