@@ -172,7 +172,7 @@ class Text:
         return report.expand(value, key)
 
     def render(self, value: str) -> str:
-        return _quote(value)
+        return toml_string(value)
 
 
 class Choice:
@@ -189,7 +189,7 @@ class Choice:
         return text
 
     def render(self, value: str) -> str:
-        return _quote(value)
+        return toml_string(value)
 
 
 class Flag:
@@ -268,7 +268,7 @@ class Urls:
         return tuple(urls) if len(urls) == len(value) else None
 
     def render(self, value: tuple[str, ...]) -> str:
-        return "[" + ", ".join(_quote(u) for u in value) + "]"
+        return "[" + ", ".join(toml_string(u) for u in value) + "]"
 
 
 class Globs:
@@ -290,7 +290,7 @@ class Globs:
         return patterns
 
     def render(self, value: tuple[str, ...]) -> str:
-        return "[" + ", ".join(_quote(p) for p in value) + "]"
+        return "[" + ", ".join(toml_string(p) for p in value) + "]"
 
 
 class Hosts:
@@ -315,19 +315,14 @@ class Hosts:
         return tuple(hosts)
 
     def render(self, value: tuple[str, ...]) -> str:
-        return "[" + ", ".join(_quote(h) for h in value) + "]"
+        return "[" + ", ".join(toml_string(h) for h in value) + "]"
 
 
-def _quote(text: str) -> str:
+def toml_string(text: str) -> str:
     """``text`` as a TOML basic string (escapes included), so check-config output loads."""
     return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def toml_string(text: str) -> str:
-    """``text`` as a TOML basic string: for anything check-config prints."""
-    return _quote(text)
-
-
 def toml_key(name: str) -> str:
     """A bare key when TOML allows one, else a quoted key."""
-    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else _quote(name)
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else toml_string(name)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
-from proxy.options import options_of, toml_string
+from proxy.options import Percent, options_of, toml_string
 from proxy.units import format_duration, format_size
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -175,7 +175,7 @@ class Settings:
                 if self.storage.max_size is not None
                 else "# max_size is not set: proxied entries are never evicted by size"
             ),
-            f'low_watermark = "{format_percent(self.storage.low_watermark)}"',
+            f"low_watermark = {Percent().render(self.storage.low_watermark)}",
             "[upstream]",
             f'connect_timeout = "{format_duration(self.upstream.connect_timeout_s)}"',
             f'read_timeout = "{format_duration(self.upstream.read_timeout_s)}"',
@@ -212,15 +212,15 @@ class Settings:
             lines += [
                 "",
                 "[[mirrors]]",
-                f"name = {_quote(mirror.name)}",
+                f"name = {toml_string(mirror.name)}",
                 f'interval = "{format_duration(mirror.interval_s)}"',
-                "packages = [" + ", ".join(_quote(p) for p in mirror.packages) + "]",
+                "packages = [" + ", ".join(toml_string(p) for p in mirror.packages) + "]",
             ]
             if mirror.sbom is not None:
-                lines.append(f"sbom = {_quote(str(mirror.sbom))}")
-            lines.append(f"versions = {_quote(mirror.versions)}")
+                lines.append(f"sbom = {toml_string(str(mirror.sbom))}")
+            lines.append(f"versions = {toml_string(mirror.versions)}")
             if mirror.repository is not None:
-                lines.append(f"repository = {_quote(mirror.repository)}")
+                lines.append(f"repository = {toml_string(mirror.repository)}")
         return "\n".join(lines) + "\n"
 
 
@@ -229,14 +229,6 @@ def _render(key: str, rendered: str) -> list[str]:
     if not rendered or rendered.startswith(f"{key}."):
         return rendered.splitlines()
     return [f"{key} = {rendered}"]
-
-
-def format_percent(share: float) -> str:
-    return f"{round(share * 100, 2):g}%"
-
-
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def upstream_env_var(repo_name: str) -> str:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from proxy.config import load
 from proxy.exceptions import ConfigError
+from proxy.options import toml_string
 from tests.conftest import write_config
 
 
@@ -240,3 +242,28 @@ def test_the_example_config_is_valid_and_documents_every_key() -> None:
         if key and not key.startswith(("#", "[", "users.")):
             assert f"{key} =" in example, f"{key} is not documented in config.example.toml"
     assert 'max_entry_size = "100MB"' in described
+
+
+def test_check_config_output_is_toml_that_loads_back(tmp_path: Path) -> None:
+    """What check-config prints loads as TOML, whatever the strings hold (quotes,
+    backslashes, control characters in a path)."""
+    odd_dir = tmp_path / 'sboms "q" \\ \x7f'
+    odd_dir.mkdir()
+    sbom = odd_dir / "line\nbreak.json"
+    config = write_config(
+        tmp_path,
+        f"""
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "https://upstream.example/simple/"
+        [[mirrors]]
+        name = "team"
+        interval = "1h"
+        sbom = {toml_string(str(sbom))}
+        """,
+    )
+    settings = load(config, {})
+    described = tomllib.loads(settings.describe())
+    assert described["mirrors"][0]["sbom"] == str(sbom)
+    assert described["storage"]["low_watermark"] == "90%"
