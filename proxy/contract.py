@@ -68,9 +68,13 @@ from proxy.types import (
 
 # Redirects a format answers on its own (e.g. PEP 503 name normalization) never change.
 REDIRECT_MAX_AGE_S = 86400
+# Upstream answers that mean "no such file" (cached as such); anything else that is not
+# a success is an outage, never a 404.
+NOT_FOUND_STATUSES = (404, 410)
 
 __all__ = [
     "KNOWN_DIGESTS",
+    "NOT_FOUND_STATUSES",
     "Adapter",
     "BadRequest",
     "Choice",
@@ -441,7 +445,6 @@ class FormatContext:
 
     cache: RepositoryCache
     upstream: UpstreamClient
-    links: LinkStore
     compute: Callable[..., Awaitable[Any]]
 
 

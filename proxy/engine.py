@@ -126,9 +126,7 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
                 upstream = pool.for_repository(repo.name, repo.upstreams, repo.allow_hosts)
                 view = cache.for_repository(repo.name, repo.format, upstream, cpu)
                 views[repo.name] = view
-                context = FormatContext(
-                    cache=view, upstream=upstream, links=view.links, compute=cpu.run
-                )
+                context = FormatContext(cache=view, upstream=upstream, compute=cpu.run)
                 adapters[repo.name] = plugin.build(repo, context)
                 if plugin.purl_types and hasattr(adapters[repo.name], "mirror"):
                     mirrorable[repo.name] = cast(MirrorAdapter, adapters[repo.name])
@@ -150,7 +148,7 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
                     )
             if settings.storage.max_size is not None:
                 metrics.STORAGE_MAX_BYTES.set(settings.storage.max_size)
-            mirrors = Mirrors(mirrorable, purl_types, views)
+            mirrors = Mirrors(mirrorable, purl_types, views, not_configured)
             engine = Engine(
                 settings,
                 clock,

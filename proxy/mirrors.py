@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, cast
@@ -22,7 +22,7 @@ from typing import Literal, Protocol, TypeVar, cast
 from proxy import metrics
 from proxy.blocking import run_blocking
 from proxy.contract import FetchSpec, MirrorAdapter, MirrorVersions, RepositoryCache
-from proxy.exceptions import NotFound, ProxyError
+from proxy.exceptions import NotConfigured, NotFound, ProxyError
 from proxy.purls import parse_purl
 from proxy.sbom import purls_in_sbom
 from proxy.settings import MirrorSettings
@@ -91,12 +91,16 @@ class Mirrors:
         adapters: dict[str, MirrorAdapter],
         purl_types: dict[str, tuple[str, ...]],
         caches: dict[str, RepositoryCache],
+        not_configured: Mapping[str, str],
     ) -> None:
         # Repository name -> its adapter, the purl types its format mirrors, its cache;
         # in config order, so the first repository serving a type is the default.
         self.adapters = adapters
         self.purl_types = purl_types
         self.caches = caches
+        # Repository name -> why it has no upstream (the engine's own check, which
+        # requests pass through and mirrors, calling adapters directly, would not).
+        self.not_configured = not_configured
 
     def job(self, mirror: MirrorSettings) -> Callable[[], Awaitable[str]]:
         async def run() -> str:
@@ -140,6 +144,8 @@ class Mirrors:
         async def plan(target: Target) -> None:
             adapter = self.adapters[target.repository]
             try:
+                if target.repository in self.not_configured:
+                    raise NotConfigured(self.not_configured[target.repository])
                 found = await adapter.mirror(target.package, mode)
             except NotFound as exc:
                 log.warning("mirror %s: %s: %s", name, target.package, exc)

@@ -277,6 +277,30 @@ async def test_failures_and_unknown_types_are_counted_and_the_run_goes_on(
 
 
 @pytest.mark.anyio
+async def test_a_repository_without_upstream_fails_its_mirror_naming_the_setting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = f"""
+    [storage]
+    path = "{tmp_path / "data"}"
+    [[repositories]]
+    name = "pypi"
+    format = "pypi"
+    [[repositories]]
+    name = "maven"
+    format = "maven"
+    """
+    settings = load(write_config(tmp_path, body), {})
+    async with open_engine(settings, ManualClock()) as engine:
+        summary = await engine.mirrors.run(
+            "t", ["pkg:pypi/demo@1.0", "pkg:maven/org.example/lib@1.0"], None, "latest", None
+        )
+    assert (summary.fetched, summary.missing, summary.failed) == (0, 0, 2)
+    assert "set repositories.pypi.upstream" in caplog.text
+    assert "set repositories.maven.upstream" in caplog.text
+
+
+@pytest.mark.anyio
 async def test_maven_mirror_pom_jar_classifier_and_latest_from_metadata(
     tmp_path: Path, upstream: FakeUpstream
 ) -> None:

@@ -24,6 +24,7 @@ from defusedxml import ElementTree as SafeXml
 from defusedxml.common import DefusedXmlException
 
 from proxy.contract import (
+    NOT_FOUND_STATUSES,
     BadRequest,
     Choice,
     Digests,
@@ -35,7 +36,6 @@ from proxy.contract import (
     Hosts,
     Kind,
     MirrorVersions,
-    NotConfigured,
     NotFound,
     OriginContext,
     PackageRef,
@@ -63,7 +63,6 @@ CHECKSUM_HEX_LENGTHS = {"sha1": 40, "md5": 32, "sha256": 64, "sha512": 128}
 CHECKSUM_STRENGTH = ("sha512", "sha256", "sha1", "md5")  # verify with the first present
 CHECKSUM_BODY_LIMIT_BYTES = 4096
 ALL_DIGESTS = ("md5", "sha1", "sha256", "sha512")
-NOT_FOUND_STATUSES = (404, 410)
 PREFIXES_FILE = ".meta/prefixes.txt"
 METADATA_BODY_LIMIT_BYTES = 16 * 1024 * 1024
 # Maven's `type` (a purl qualifier) -> (file extension, classifier it implies).
@@ -155,7 +154,6 @@ class MavenOptions:
 
 class MavenRepository:
     def __init__(self, settings: RepositorySettings[MavenOptions], ctx: FormatContext) -> None:
-        self.settings = settings
         self.options = settings.options
         self.name = settings.name
         self.cache = ctx.cache
@@ -211,11 +209,6 @@ class MavenRepository:
         """The pom and the artifact file (jar, or what the ``type`` and ``classifier``
         qualifiers say) of the version(s) a purl names; without a version, the versions
         are read from the artifact's maven-metadata.xml."""
-        if not self.options.upstream:
-            raise NotConfigured(
-                f"repository {self.name!r} has no upstream configured; "
-                f"set {self.settings.upstream_setting}"
-            )
         if not package.namespace:
             raise BadRequest(f"{package}: a Maven purl names the groupId as its namespace")
         base = f"{package.namespace.replace('.', '/')}/{package.name}"
@@ -267,9 +260,8 @@ class MavenRepository:
                         errors.append(UpstreamUnavailable(f"{base}: HEAD answered {status}"))
                         continue
                     headers = {"content-type": _content_type(maven_path.path, response)}
-                    length = response.headers.get("content-length")
-                    if length and length.isdigit():
-                        headers["content-length"] = length
+                    if response.length is not None:
+                        headers["content-length"] = str(response.length)
                     return empty_response(200, headers)
             except UpstreamError as exc:
                 errors.append(exc)

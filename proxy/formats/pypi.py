@@ -23,6 +23,7 @@ from packaging.utils import (
 from packaging.version import InvalidVersion, Version
 
 from proxy.contract import (
+    NOT_FOUND_STATUSES,
     BadRequest,
     Duration,
     Fetched,
@@ -34,7 +35,6 @@ from proxy.contract import (
     Link,
     LinkBatch,
     MirrorVersions,
-    NotConfigured,
     NotFound,
     OriginContext,
     PackageRef,
@@ -58,7 +58,6 @@ log = logging.getLogger("proxy.pypi")
 # A real index's root page lists ~600,000 projects (tens of MB); project pages are far
 # smaller. Larger pages are refused (502) before they are read whole.
 DEFAULT_MAX_INDEX_SIZE = 64 * 2**20
-NOT_FOUND_STATUSES = (404, 410)
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,6 @@ class PypiOptions:
 
 class PypiRepository:
     def __init__(self, settings: RepositorySettings[PypiOptions], ctx: FormatContext) -> None:
-        self.settings = settings
         self.options = settings.options
         self.name = settings.name
         self.cache = ctx.cache
@@ -166,11 +164,6 @@ class PypiRepository:
         if not si.is_valid_project_name(package.name) or package.namespace:
             raise BadRequest(f"{package}: not a PyPI project name")
         project = si.normalize(package.name)
-        if not self.index_url:  # mirrors call us directly, not through the engine's check
-            raise NotConfigured(
-                f"repository {self.name!r} has no upstream index configured; "
-                f"set {self.settings.upstream_setting}"
-            )
         spec = self.index_spec(project, "json")
         body = await self.cache.read(spec, self.options.max_index_size)
         chosen = await self.compute(_files_to_mirror, body, project, package.version, versions)

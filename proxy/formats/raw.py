@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 from proxy.contract import (
+    NOT_FOUND_STATUSES,
     Duration,
     Fetched,
     FetchSpec,
@@ -38,7 +39,6 @@ from proxy.contract import (
     option,
 )
 
-NOT_FOUND_STATUSES = (404, 410)
 # A .tar.gz is served as the compressed file it is, never as a tar to be decompressed.
 _COMPRESSED_TYPES = {
     "gzip": "application/gzip",
