@@ -149,7 +149,7 @@ class Dispatcher:
                     request = Request(method, repository, path, headers, base_path, receive)
                     response = await adapter.handle(request)
             except ProxyError as exc:
-                response = _error_response(exc, state)
+                response = _error_response(exc)
             if (
                 method in BODY_METHODS
                 and isinstance(response, responses.BodyResponse)
@@ -165,7 +165,8 @@ class Dispatcher:
             metrics.REQUEST_DURATION.labels(repository).observe(time.perf_counter() - started)
 
 
-def _error_response(exc: ProxyError, state: Engine) -> ASGIResponse:
+def _error_response(exc: ProxyError) -> ASGIResponse:
+    retry_later = {"retry-after": retry_after_header(None)}
     if isinstance(exc, ClientError):
         return responses.error(exc.status, str(exc))
     if isinstance(exc, UpstreamUnavailable):
@@ -176,17 +177,13 @@ def _error_response(exc: ProxyError, state: Engine) -> ASGIResponse:
     if isinstance(exc, UpstreamError):
         return responses.error(exc.status, str(exc))
     if isinstance(exc, NotConfigured | ShuttingDown):
-        return responses.error(503, str(exc), {"retry-after": "5"})
+        return responses.error(503, str(exc), retry_later)
     if isinstance(exc, CatalogError):
         log.error("catalog error: %s", exc)
-        return responses.error(
-            503, "the cache database is unavailable; try again", {"retry-after": "5"}
-        )
+        return responses.error(503, "the cache database is unavailable; try again", retry_later)
     if isinstance(exc, StorageError):
         log.error("storage error: %s", exc)
-        return responses.error(
-            503, "the cache storage is unavailable; try again", {"retry-after": "5"}
-        )
+        return responses.error(503, "the cache storage is unavailable; try again", retry_later)
     log.error("unexpected proxy error: %r", exc)
     return responses.error(500, f"internal error: {type(exc).__name__}")
 

@@ -252,12 +252,7 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         progress.finish()
     s = progress.summary
-    from proxy.units import human_size
-
-    print(
-        f"mirrored: {s.fetched} fetched ({human_size(s.bytes)}), {s.cached} already cached, "
-        f"{s.missing} missing upstream, {s.failed} failed, {s.skipped} skipped"
-    )
+    print(f"mirrored: {s.line()}")
     return 1 if s.failed or s.missing else 0
 
 

@@ -11,23 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from proxy.catalog import Entry
-
 # What one send hands the transport: a client that stops reading holds about this much
 # of our memory (plus the transport's high-water mark), however large the body.
 SEND_CHUNK_BYTES = 256 * 1024
 
 
 class Download:
-    def __init__(self, path: str, content_type: str | None, total: int | None) -> None:
-        self.path = path
+    def __init__(self, content_type: str | None, total: int | None) -> None:
         self.content_type = content_type
         self.total = total  # the upstream's Content-Length, when it gave one
         self.written = 0
         self.verified = False  # every byte may be read: length and digests checked
         self.finished = False  # published and recorded (or recording failed)
         self.error: BaseException | None = None
-        self.entry: Entry | None = None
         self._listeners: list[Callable[[], None]] = []
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -45,9 +41,8 @@ class Download:
         self.verified = True
         self._announce()
 
-    def finish(self, entry: Entry | None) -> None:
-        """Published; ``entry`` is None if it could not be recorded in the catalog."""
-        self.entry = entry
+    def finish(self) -> None:
+        """Published (recorded in the catalog or not): nothing more will change."""
         self.verified = self.finished = True
         self._announce()
 
@@ -57,7 +52,7 @@ class Download:
         if self.verified:
             # The bytes were checked and readers may have them all: only storing them
             # failed (say, the disk filled up at fsync). Readers finish; nothing is kept.
-            self.finish(None)
+            self.finish()
             return
         self.error = error
         self._announce()

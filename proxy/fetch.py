@@ -415,7 +415,7 @@ class Fetcher:
         expected = {name: value for name, value in expected.items() if name in KNOWN_DIGESTS}
         wanted = set(spec.digests) | set(expected)
         temp = await self.blobs.new_temp(wanted)
-        download = Download(str(temp.path), fetched.content_type, fetched.length)
+        download = Download(fetched.content_type, fetched.length)
         flight.download = download
         upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=miss.repository)
         streaming = False
@@ -486,7 +486,7 @@ class Fetcher:
             # fails only the cache, which the next request retries.
             metrics.CATALOG_ERRORS.labels(operation="put_entry").inc()
             log.error("could not record repository=%s key=%s: %s", miss.repository, spec.key, exc)
-            download.finish(None)
+            download.finish()
             if flight.transfer is None:
                 blob = await SharedFile.open(
                     self.blobs.path_str(sha256),
@@ -499,7 +499,7 @@ class Fetcher:
             flight.settle(Streaming(flight.transfer))  # _conclude releases its last byte
             return
         self.index.put(entry)
-        download.finish(entry)
+        download.finish()
         if flight.transfer is not None:
             await flight.transfer.stored(self.blobs.path_str(sha256), temp.size, entry)
         flight.settle(Stored(entry))

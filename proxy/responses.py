@@ -283,7 +283,8 @@ async def blob(
     headers.append((b"content-length", str(length).encode()))
     # File system calls go to a thread: the storage may be a network volume.
     if method == "HEAD":
-        await run_blocking(os.stat, path)  # raises FileNotFoundError if the blob is gone
+        if hot.get(entry.sha256) is None:  # in memory: served as a GET would be, no stat
+            await run_blocking(os.stat, path)  # raises FileNotFoundError if the blob is gone
         return BodyResponse(status, headers, b"", entry.repository)
     if size <= HOT_MAX_BLOB_BYTES:
         body = hot.get(entry.sha256)

@@ -61,12 +61,8 @@ def address_kind(address: IPAddress) -> str | None:
         return address_kind(embedded)
     if address in CLOUD_METADATA:
         return "cloud metadata"
-    if address.is_loopback:
-        return "loopback"
     if address.is_link_local:
         return "link-local"
-    if address.is_unspecified:
-        return "unspecified"
     if address.is_multicast:
         return "multicast"
     if address.is_private or address in NAT64_LOCAL_USE:
@@ -131,7 +127,7 @@ class AddressPolicy:
         named_ok = host in self.allowed_names or any(
             host.endswith(s) for s in self.allowed_suffixes
         )
-        addresses = await _resolve(host, port, url, self)
+        addresses = await _resolve(host, port)
         for address in addresses:
             kind = address_kind(address)
             if kind is None or named_ok or any(address in n for n in self.allowed_networks):
@@ -157,7 +153,7 @@ class AddressPolicy:
         return UpstreamUnavailable(f"refused to fetch {shown}: {why}", status=502)
 
 
-async def _resolve(host: str, port: int, url: str, policy: AddressPolicy) -> list[IPAddress]:
+async def _resolve(host: str, port: int) -> list[IPAddress]:
     try:
         return [ipaddress.ip_address(host.strip("[]"))]
     except ValueError:

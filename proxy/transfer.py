@@ -27,13 +27,13 @@ import hashlib
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.blocking import run_blocking
 from proxy.catalog import Entry
-from proxy.download import SEND_CHUNK_BYTES, Download
+from proxy.download import Download
 from proxy.exceptions import ProxyError, ShuttingDown, UpstreamUnavailable
 
 log = logging.getLogger("proxy.transfer")
@@ -401,17 +401,6 @@ class Transfer:
         """A client's position in the body; close it when the client is done."""
         self._readers += 1
         return Reader(self, start)
-
-    async def chunks(self, start: int = 0) -> AsyncIterator[bytes]:
-        """The body from ``start`` as it arrives; raises if it cannot be completed."""
-        reader = self.reader(start)
-        try:
-            while (span := await reader.next_span()) is not None:
-                data = await reader.read(span, SEND_CHUNK_BYTES)
-                if data:
-                    yield data
-        finally:
-            reader.close()
 
     async def _span(self, offset: int) -> Span | None:
         while True:

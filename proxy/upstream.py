@@ -50,7 +50,6 @@ log = logging.getLogger("proxy.upstream")
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 4.0
 RETRY_AFTER_MAX_S = 5.0
-BUSY_RETRY_AFTER_S = 5  # what a client is told when an upstream's slots are all taken
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 10
@@ -123,7 +122,6 @@ class ByteBudget:
             raise UpstreamUnavailable(
                 "too many large upstream pages are being read or parsed at once; retry",
                 status=503,
-                retry_after_s=BUSY_RETRY_AFTER_S,
             ) from None
         self.available -= n_bytes
 
@@ -164,7 +162,6 @@ class UpstreamPool:
                 f"upstream {host} already has {limit} transfers in progress "
                 "(upstream.max_connections); retry",
                 status=503,
-                retry_after_s=BUSY_RETRY_AFTER_S,
             ) from None
         try:
             yield
@@ -204,7 +201,7 @@ class Upstream:
         deadline = time.monotonic() + self.settings.transfer_timeout_s
         url = self.policy.without_credentials(url)
         for _hop in range(MAX_REDIRECTS + 1):
-            host = urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
+            host = host_of(url)
             slot = self.pool.slot(host) if beside is None else contextlib.nullcontext()
             async with slot:
                 response = await self._send(method, url, headers, deadline)
@@ -232,7 +229,7 @@ class Upstream:
     async def _send(
         self, method: str, url: str, headers: Mapping[str, str] | None, deadline: float
     ) -> httpx.Response:
-        host = urlsplit(url).netloc.rsplit("@", 1)[-1]
+        host = host_of(url)
         attempt = 0
         while True:
             try:
@@ -350,7 +347,7 @@ class UpstreamAnswer:
 
     @property
     def host(self) -> str:
-        return urlsplit(self._url).netloc.rsplit("@", 1)[-1]
+        return host_of(self._url)
 
     async def body(self) -> AsyncIterator[bytes]:
         """The body as it arrives; ``UpstreamError`` if it breaks off, stalls, trickles
@@ -465,6 +462,12 @@ def clean_headers(headers: httpx.Headers) -> dict[str, str]:
             continue
         cleaned[name] = f"{cleaned[name]}, {value}" if name in cleaned else value
     return cleaned
+
+
+def host_of(url: str) -> str:
+    """The host (and port) a URL names, lowercased and without credentials: the key of
+    its connection slots, its metrics label and what error messages name."""
+    return urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
 
 
 def content_length(response: httpx.Response) -> int | None:

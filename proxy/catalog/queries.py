@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 SQL_DIR = Path(__file__).resolve().parent / "sql"
-DIALECTS = ("sqlite", "postgres")
 DIALECT_ONLY = {
     "sqlite": frozenset({"next_fence", "trim_fences"}),
     "postgres": frozenset({"lock_migrations", "try_job_lock", "unlock_job"}),

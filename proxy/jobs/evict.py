@@ -48,7 +48,7 @@ class Eviction:
                 f"{human_size(usage.proxied_bytes)} -> {human_size(total)} "
                 f"(max {human_size(self.max_size)}, low watermark {human_size(target)})"
             )
-            await self.cache.storage_usage()
+            await self.cache.storage_usage()  # the gauges after the pass (tombstones grew)
         elif self.max_size is not None:
             summary += f" of {human_size(self.max_size)}, nothing to evict"
         purged = await self.cache.purge_tombstones(self.grace_s)
