@@ -326,6 +326,20 @@ def test_head_on_a_cached_path_reads_no_body_and_on_a_miss_asks_with_head(
     assert upstream.count(JAR, "HEAD") == 1 and upstream.count(JAR) == 1
 
 
+def test_a_head_probe_without_a_length_falls_back_to_get(
+    maven_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    """An upstream HEAD that states no length never becomes "Content-Length: 0": the
+    proxy fetches the file and answers with its real length."""
+    body = os.urandom(50_000)
+    publish(upstream, JAR, body)
+    upstream.fault(JAR, chunked=True)
+    head = httpx.head(maven_proxy.url + "/maven" + JAR)
+    assert head.status_code == 200
+    assert head.headers["content-length"] == str(len(body))
+    assert upstream.count(JAR, "HEAD") == 1 and upstream.count(JAR) == 1
+
+
 def test_range_resume_with_if_unmodified_since(
     maven_proxy: ServerThread, upstream: FakeUpstream
 ) -> None:

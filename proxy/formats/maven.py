@@ -245,7 +245,8 @@ class MavenRepository:
     async def _probe(self, maven_path: MavenPath) -> Response | None:
         """HEAD on a miss: ask the upstreams with HEAD instead of downloading the body.
 
-        None if an upstream does not do HEAD (405/501): the caller falls back to GET.
+        None if an upstream does not do HEAD (405/501) or gives no length for the bytes
+        a GET would serve: the caller falls back to GET (a HEAD never claims 0 bytes).
         """
         errors: list[UpstreamError] = []
         for base in self.options.upstream:
@@ -259,9 +260,12 @@ class MavenRepository:
                     if status != 200:
                         errors.append(UpstreamUnavailable(f"{base}: HEAD answered {status}"))
                         continue
-                    headers = {"content-type": _content_type(maven_path.path, response)}
-                    if response.length is not None:
-                        headers["content-length"] = str(response.length)
+                    if response.length is None:
+                        return None
+                    headers = {
+                        "content-type": _content_type(maven_path.path, response),
+                        "content-length": str(response.length),
+                    }
                     return empty_response(200, headers)
             except UpstreamError as exc:
                 errors.append(exc)
