@@ -247,13 +247,16 @@ class RepositoryView:
         return StorageError(f"{spec.key}: its blob vanished right after it was stored")
 
     @staticmethod
-    async def _entry_of(spec: FetchSpec, outcome: Stored | Stale | Streaming) -> Entry:
-        """The entry an outcome ends with: a download's once it is stored and recorded."""
+    async def _entry_of(
+        spec: FetchSpec, outcome: Stored | Stale | Streaming, unrecorded: str
+    ) -> Entry:
+        """The entry an outcome ends with: a download's once it is stored and recorded
+        (if it could not be recorded, a 503 saying ``unrecorded``)."""
         if not isinstance(outcome, Streaming):
             return outcome.entry
         entry = await outcome.transfer.result()
         if entry is None:
-            raise UpstreamUnavailable(f"{spec.key}: not recorded yet; retry", status=503)
+            raise UpstreamUnavailable(f"{spec.key}: {unrecorded}; retry", status=503)
         return entry
 
     async def respond(
@@ -336,7 +339,7 @@ class RepositoryView:
                 name: hashlib.new(name, outcome.body).hexdigest()
                 for name in ("md5", "sha1", "sha256", "sha512")
             }
-        return (await self._entry_of(spec, outcome)).digests
+        return (await self._entry_of(spec, outcome, "checksum not available yet")).digests
 
     async def read(self, spec: FetchSpec, limit: int) -> bytes:
         outcome, _hit = await self._outcome(spec)
@@ -346,7 +349,7 @@ class RepositoryView:
             if isinstance(outcome, Inline):
                 body = outcome.body
             else:
-                entry = await self._entry_of(spec, outcome)
+                entry = await self._entry_of(spec, outcome, "stored but not recorded")
                 assert entry.sha256 is not None
                 if entry.size > limit:
                     raise UpstreamError(f"{spec.key}: {entry.size} bytes, over {limit}")

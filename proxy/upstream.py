@@ -40,7 +40,7 @@ import httpx
 from proxy import __version__, metrics
 from proxy.contract import UpstreamResponse
 from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from proxy.http_semantics import header_value_ok, parse_retry_after
+from proxy.http_semantics import RETRY_AFTER_DEFAULT_S, header_value_ok, parse_retry_after
 from proxy.settings import UpstreamSettings
 from proxy.ssrf import AddressPolicy
 from proxy.units import format_duration, format_size
@@ -122,6 +122,7 @@ class ByteBudget:
             raise UpstreamUnavailable(
                 "too many large upstream pages are being read or parsed at once; retry",
                 status=503,
+                retry_after_s=RETRY_AFTER_DEFAULT_S,  # stated: _outage keeps the longest wait
             ) from None
         self.available -= n_bytes
 
@@ -162,6 +163,7 @@ class UpstreamPool:
                 f"upstream {host} already has {limit} transfers in progress "
                 "(upstream.max_connections); retry",
                 status=503,
+                retry_after_s=RETRY_AFTER_DEFAULT_S,  # stated: _outage keeps the longest wait
             ) from None
         try:
             yield
