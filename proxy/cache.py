@@ -213,21 +213,29 @@ class RepositoryView:
 
     async def _outcome(self, spec: FetchSpec) -> tuple[Outcome, bool]:
         """The key's outcome, and whether it was a fresh hit (no fetch at all)."""
-        return await self._outcome_of(spec, await self.cache.lookup(self.name, spec.key))
+        entry = await self.cache.lookup(self.name, spec.key)
+        hit = self._fresh_hit(spec, entry)
+        if hit is not None:
+            return hit, True
+        return await self._miss(spec, entry), False
 
-    async def _outcome_of(self, spec: FetchSpec, entry: Entry | None) -> tuple[Outcome, bool]:
-        """``_outcome`` when the key's entry (or its absence) is known already."""
-        cache = self.cache
-        if entry is not None and entry.is_fresh(cache.clock.now_ms()):
-            if entry.kind is Kind.NEGATIVE:
-                metrics.NEGATIVE_HITS.labels(repository=self.name).inc()
-                return Missing(f"{spec.key} not found upstream (cached)"), True
-            metrics.CACHE_HITS.labels(self.name, self.format, entry.kind.value).inc()
-            cache.access.record(self.name, spec.key)
-            return Stored(entry), True
+    def _fresh_hit(self, spec: FetchSpec, entry: Entry | None) -> Outcome | None:
+        """The outcome of a fresh entry, counted as a hit; None if it must be fetched.
+        (Not a coroutine: this is the hit path.)"""
+        if entry is None or not entry.is_fresh(self.cache.clock.now_ms()):
+            return None
+        if entry.kind is Kind.NEGATIVE:
+            metrics.NEGATIVE_HITS.labels(repository=self.name).inc()
+            return Missing(f"{spec.key} not found upstream (cached)")
+        metrics.CACHE_HITS.labels(self.name, self.format, entry.kind.value).inc()
+        self.cache.access.record(self.name, spec.key)
+        return Stored(entry)
+
+    async def _miss(self, spec: FetchSpec, entry: Entry | None) -> Outcome:
+        """Fetch a key with no fresh entry (``entry``: the expired one, if any)."""
         metrics.CACHE_MISSES.labels(self.name, self.format, spec.kind.value).inc()
         stale = entry if entry is not None and entry.kind is Kind.METADATA else None
-        return await self._fetch(spec, stale), False
+        return await self._fetch(spec, stale)
 
     async def _fetch(self, spec: FetchSpec, stale: Entry | None) -> Outcome:
         miss = Miss(self.name, self.format, spec, self.origin_context)
@@ -331,7 +339,9 @@ class RepositoryView:
         existing = await self.cache.lookup(self.name, spec.key)
         if existing is not None and existing.sha256 is not None:
             return existing.digests  # expired or not: it is what clients were given
-        outcome, _hit = await self._outcome_of(spec, existing)
+        outcome = self._fresh_hit(spec, existing)
+        if outcome is None:
+            outcome = await self._miss(spec, existing)
         if isinstance(outcome, Missing):
             raise NotFound(outcome.message)
         if isinstance(outcome, Inline):
