@@ -2,14 +2,19 @@
 Postgres, with hits and access flushes running beside them in another process.
 
     .venv/bin/python -m bench.evict [--entries 1000000] [--backend sqlite|postgres|both]
+                                    [--per-blob-sweep] [--no-sweep]
 
 The catalog is filled through SQL directly (no HTTP): proxied entries of four
 repositories with sizes of 1 KB to 1 MB and last accesses spread over 200 days. Then:
 the storage total (one aggregate), one eviction pass removing a 10% overshoot (down to
 the 90% low watermark), one retention pass ("120d" on two repositories), and the purge
-of the tombstones the two passes left. Meanwhile a second process (another worker or
-replica) looks entries up in the catalog every 5 ms and flushes 5,000 access times every
-second; their latencies are printed for the quiet baseline and during the passes.
+of the tombstones the two passes left. Then reclaim's orphan sweep over one blob file per
+original entry (a million files; the evicted and expired ones are orphans by then),
+asking the catalog once per batch of names; ``--per-blob-sweep`` asks once per blob
+instead, as the sweep did before, for comparison. Meanwhile a second process (another
+worker or replica) looks entries up in the catalog every 5 ms and flushes 5,000 access
+times every second; their latencies are printed for the quiet baseline and during the
+passes.
 Postgres is started like the tests do (tests/pg.py). Prints figures; asserts nothing.
 """
 
@@ -139,7 +144,51 @@ def latencies(samples: list[list[Any]], kind: str, start: float, end: float) -> 
 # -- one backend --------------------------------------------------------------------------
 
 
-async def measure(database_url: str, work: Path, count: int) -> None:
+def make_blob_files(blobs_dir: Path, count: int) -> None:
+    """One empty file per entry of ``rows`` (named by its sha256), a day old."""
+    old_s = time.time() - 86_400
+    made: set[Path] = set()
+    for i in range(count):
+        sha = f"{i:064x}"
+        folder = blobs_dir / sha[:2] / sha[2:4]
+        if folder not in made:
+            folder.mkdir(parents=True, exist_ok=True)
+            made.add(folder)
+        path = folder / sha
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+        os.utime(path, (old_s, old_s))
+
+
+async def sweep(engine: Any, count: int, per_blob: bool) -> tuple[float, int, int]:
+    """Reclaim's orphan sweep; (seconds, catalog questions, blobs deleted)."""
+    from proxy.blocking import run_blocking
+    from proxy.clock import SYSTEM_CLOCK as clock
+    from proxy.jobs import reclaim
+
+    started = time.perf_counter()
+    await run_blocking(make_blob_files, engine.blobs.blobs_dir, count)
+    print(f"  {count:,} blob files made in {time.perf_counter() - started:.0f} s")
+    if per_blob:
+        reclaim.ORPHAN_BATCH = 1  # the sweep before issue 21: one question per blob
+    questions = 0
+    ask = engine.catalog.unreferenced_blobs
+
+    async def counting(names: list[str]) -> set[str]:
+        nonlocal questions
+        questions += 1
+        found: set[str] = await ask(names)
+        return found
+
+    engine.catalog.unreferenced_blobs = counting
+    job = reclaim.Reclaim(engine.catalog, engine.blobs, clock, 86_400)
+    started = time.perf_counter()
+    removed = await job.remove_orphans()
+    return time.perf_counter() - started, questions, removed
+
+
+async def measure(
+    database_url: str, work: Path, count: int, sweep_blobs: bool = True, per_blob: bool = False
+) -> None:
     from proxy.engine import open_engine
 
     config = work / "bench.toml"
@@ -190,6 +239,16 @@ async def measure(database_url: str, work: Path, count: int) -> None:
             f"  tombstone purge: {t3 - t2:.2f} s  ({tombstoned / 1e9:.1f} GB of tombstones; "
             f"{purged.blobs} files deleted: the bench has no blob files)"
         )
+        t4 = t5 = t3
+        if sweep_blobs:
+            seconds, questions, removed = await sweep(engine, count, per_blob)
+            t5 = time.time()
+            t4 = t5 - seconds
+            how = "one question per blob" if per_blob else "one question per batch"
+            print(
+                f"  orphan sweep ({how}): {seconds:.1f} s over {count:,} blob files, "
+                f"{questions:,} catalog questions, {removed:,} orphans deleted"
+            )
     stop.set()
     loader.join(timeout=60)
     samples = read_samples(out)
@@ -198,9 +257,11 @@ async def measure(database_url: str, work: Path, count: int) -> None:
     print(f"                        access flushes {latencies(samples, 'flush', begin, t0)}")
     print(f"  during the passes:    lookups {latencies(samples, 'lookup', t0, t3)}")
     print(f"                        access flushes {latencies(samples, 'flush', t0, t3)}")
+    if sweep_blobs:
+        print(f"  during the sweep:     lookups {latencies(samples, 'lookup', t4, t5)}")
 
 
-def run_sqlite(count: int) -> None:
+def run_sqlite(count: int, sweep_blobs: bool, per_blob: bool) -> None:
     work = workdir("evict-sqlite")
     db = work / "proxy.db"
     url = f"sqlite:///{db}"
@@ -214,10 +275,10 @@ def run_sqlite(count: int) -> None:
     started = time.perf_counter()
     fill_sqlite(db, count)
     print(f"SQLite ({sqlite3.sqlite_version}): filled in {time.perf_counter() - started:.0f} s")
-    asyncio.run(measure(url, work, count))
+    asyncio.run(measure(url, work, count, sweep_blobs, per_blob))
 
 
-def run_postgres(count: int) -> None:
+def run_postgres(count: int, sweep_blobs: bool, per_blob: bool) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.pg import PostgresServer, create_database
 
@@ -235,7 +296,7 @@ def run_postgres(count: int) -> None:
         started = time.perf_counter()
         asyncio.run(fill_postgres(url, count))
         print(f"Postgres: filled in {time.perf_counter() - started:.0f} s")
-        asyncio.run(measure(url, work, count))
+        asyncio.run(measure(url, work, count, sweep_blobs, per_blob))
     finally:
         server.destroy()
 
@@ -245,6 +306,10 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=1_000_000)
     parser.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="both")
     parser.add_argument("--batch", type=int, help="entries per delete (default: the jobs')")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the orphan sweep")
+    parser.add_argument(
+        "--per-blob-sweep", action="store_true", help="one catalog question per blob (before)"
+    )
     args = parser.parse_args()
     if args.batch:
         from proxy.jobs import evict, retention
@@ -252,9 +317,9 @@ def main() -> None:
         evict.BATCH_ENTRIES = retention.BATCH_ENTRIES = args.batch
     os.environ.setdefault("PYTHONHASHSEED", "0")
     if args.backend in ("sqlite", "both"):
-        run_sqlite(args.entries)
+        run_sqlite(args.entries, not args.no_sweep, args.per_blob_sweep)
     if args.backend in ("postgres", "both"):
-        run_postgres(args.entries)
+        run_postgres(args.entries, not args.no_sweep, args.per_blob_sweep)
 
 
 if __name__ == "__main__":

@@ -234,10 +234,11 @@ class BlobStore:
 
         return await run_blocking(unlink)
 
-    def delete_older(self, sha256s: Iterable[str], cutoff_s: float) -> set[str]:
+    def delete_older(self, sha256s: Iterable[str], cutoff_s: float) -> tuple[set[str], set[str]]:
         """Delete the blobs whose file was last modified before ``cutoff_s`` (blocking:
-        run it in the I/O pool); the ones deleted."""
-        deleted = set()
+        run it in the I/O pool). Returns the ones deleted now and the ones that had no
+        file; a file modified since (just published again) is in neither and stays."""
+        deleted, absent = set(), set()
         for sha256 in sha256s:
             path = self.path(sha256)
             try:
@@ -245,9 +246,10 @@ class BlobStore:
                     continue  # published again just now: its entry is being recorded
                 os.unlink(path)
             except FileNotFoundError:
+                absent.add(sha256)
                 continue
             deleted.add(sha256)
-        return deleted
+        return deleted, absent
 
     def check_writable(self) -> None:
         """Raise OSError unless a temp file can be created, written and removed (/readyz)."""

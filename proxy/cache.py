@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -129,17 +128,28 @@ class Cache:
             self.index.drop(gone.repository, gone.key)
 
     async def purge_tombstones(self, grace_s: float) -> Purged:
-        """Delete the files of blobs unreferenced for longer than ``grace_s``."""
+        """Delete the files of blobs unreferenced for longer than ``grace_s``.
+
+        A tombstone is forgotten only once its file is gone: a file too young to delete
+        (``RECENT_BLOB_GUARD_S``) keeps its tombstone, and a later pass deletes it
+        (docs/architecture.md, "Eviction and retention")."""
         await self.catalog.drop_referenced_tombstones()
         cutoff_s = self.clock.now_ms() / 1000 - RECENT_BLOB_GUARD_S
         blobs = size = 0
+        after = ""
         while True:
-            due = await self.catalog.take_due_tombstones(grace_s, TOMBSTONE_BATCH)
-            deleted = await run_blocking(self.blobs.delete_older, [sha for sha, _ in due], cutoff_s)
+            due = await self.catalog.due_tombstones(grace_s, after, TOMBSTONE_BATCH)
+            if not due:
+                break
+            deleted, absent = await run_blocking(
+                self.blobs.delete_older, [sha for sha, _ in due], cutoff_s
+            )
+            await self.catalog.forget_tombstones(sorted(deleted | absent))
             blobs += len(deleted)
             size += sum(n for sha, n in due if sha in deleted)
             if len(due) < TOMBSTONE_BATCH:
                 break
+            after = due[-1][0]
         metrics.BLOBS_DELETED.inc(blobs)
         return Purged(blobs, size)
 
@@ -154,25 +164,6 @@ class Cache:
     async def flush_access(self) -> int:
         """Write this process's buffered access times now (before judging LRU order)."""
         return await self.access.flush(self.catalog)
-
-
-async def delete_blob_if_orphan(
-    catalog: Catalog, blobs: BlobStore, sha256: str, min_age_s: float, clock: Clock
-) -> bool:
-    """Delete the blob if no entry points to it and it is older than ``min_age_s``.
-
-    The age guard closes the window between a writer publishing a blob and recording
-    the entry that points to it (a same-content publish refreshes the file's mtime).
-    """
-    try:
-        mtime = (await run_blocking(os.stat, blobs.path(sha256))).st_mtime
-    except FileNotFoundError:
-        return False
-    if clock.now_ms() / 1000 - mtime < min_age_s:
-        return False
-    if await catalog.blob_is_referenced(sha256):
-        return False
-    return await blobs.delete(sha256)
 
 
 class CatalogLinks:

@@ -68,8 +68,8 @@ async def test_touch_usage_and_least_recently_used(catalog: Catalog) -> None:
     assert usage.entries == 6 and usage.bytes == 500
     order = [e.key for e in await catalog.least_recently_used("r", 10)]
     assert order == ["k1", "k2", "k3", "k4", "k0"]  # negatives are not evicted as data
-    assert await catalog.blob_is_referenced("1" * 64)
-    assert not await catalog.blob_is_referenced("9" * 64)
+    assert await catalog.unreferenced_blobs(["1" * 64, "9" * 64]) == {"9" * 64}
+    assert await catalog.unreferenced_blobs([]) == set()
     assert await catalog.delete_expired_negatives(now_ms()) == 1
 
 

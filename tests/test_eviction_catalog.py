@@ -68,10 +68,10 @@ async def test_a_blob_another_entry_still_uses_is_kept(
     await catalog.put_entry(_entry("old", shared, 100, 1000))
     await catalog.put_entry(_entry("new", shared, 100, 2000, repository="other"))
     assert [r.key for r in await catalog.evict_lru(1, 10)] == ["old"]
-    assert await catalog.blob_is_referenced(shared)
+    assert await catalog.unreferenced_blobs([shared]) == set()
     assert await catalog.drop_referenced_tombstones() == 1  # tombstoned, but still in use
     await pass_time(catalog, clock, 0.3)
-    assert await catalog.take_due_tombstones(0.1, 10) == []
+    assert await catalog.due_tombstones(0.1, "", 10) == []
 
 
 async def test_tombstones_wait_out_the_grace_and_a_restored_blob_is_spared(
@@ -80,13 +80,29 @@ async def test_tombstones_wait_out_the_grace_and_a_restored_blob_is_spared(
     await catalog.put_entry(_entry("a", _sha(1), 10, 1000))
     await catalog.put_entry(_entry("b", _sha(2), 20, 1001))
     assert len(await catalog.evict_lru(30, 10)) == 2
-    assert await catalog.take_due_tombstones(1.0, 10) == []  # within the grace
+    assert await catalog.due_tombstones(1.0, "", 10) == []  # within the grace
     await catalog.put_entry(_entry("b", _sha(2), 20, 5000))  # fetched again meanwhile
     await pass_time(catalog, clock, 1.2)
-    assert await catalog.take_due_tombstones(1.0, 10) == [(_sha(1), 10)]
-    assert await catalog.take_due_tombstones(1.0, 10) == []  # taken once
+    assert await catalog.due_tombstones(1.0, "", 10) == [(_sha(1), 10)]
+    # Reading them takes nothing: a tombstone stays until its file is gone.
+    assert await catalog.due_tombstones(1.0, "", 10) == [(_sha(1), 10)]
+    assert await catalog.due_tombstones(1.0, _sha(1), 10) == []  # keyset: after _sha(1)
+    assert await catalog.forget_tombstones([_sha(1)]) == 1
+    assert await catalog.due_tombstones(1.0, "", 10) == []
     assert await catalog.drop_referenced_tombstones() == 1
     assert (await catalog.storage_usage()).tombstoned_bytes == 0
+
+
+async def test_due_tombstones_come_in_keyset_pages(catalog: Catalog, clock: ManualClock) -> None:
+    for i in range(5):
+        await catalog.put_entry(_entry(f"k{i}", _sha(i), 10, 1000 + i))
+    assert len(await catalog.evict_lru(10**9, 10)) == 5
+    await pass_time(catalog, clock, 0.3)
+    first = await catalog.due_tombstones(0.1, "", 2)
+    second = await catalog.due_tombstones(0.1, first[-1][0], 2)
+    third = await catalog.due_tombstones(0.1, second[-1][0], 2)
+    assert [sha for sha, _ in first + second + third] == [_sha(i) for i in range(5)]
+    assert await catalog.unreferenced_blobs([_sha(0), _sha(9)]) == {_sha(9)}  # tombstoned
 
 
 async def test_a_replaced_blob_is_tombstoned_too(catalog: Catalog, clock: ManualClock) -> None:
@@ -94,8 +110,9 @@ async def test_a_replaced_blob_is_tombstoned_too(catalog: Catalog, clock: Manual
     await catalog.put_entry(_entry("page", _sha(2), 12, 2000, kind=Kind.METADATA))
     await catalog.touch_entries([("r", "page", 3000)])  # no new tombstone for a touch
     await pass_time(catalog, clock, 0.3)
-    assert await catalog.take_due_tombstones(0.1, 10) == [(_sha(1), 10)]
-    assert not await catalog.blob_is_referenced(_sha(1))
+    assert await catalog.due_tombstones(0.1, "", 10) == [(_sha(1), 10)]
+    assert await catalog.forget_tombstones([_sha(1)]) == 1
+    assert await catalog.unreferenced_blobs([_sha(1)]) == {_sha(1)}
 
 
 async def test_expire_unused_is_per_repository_and_by_last_access(catalog: Catalog) -> None:

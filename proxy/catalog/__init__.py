@@ -167,8 +167,9 @@ class Catalog(Protocol):
 
     async def least_recently_used(self, repository: str, limit: int) -> list[Entry]: ...
 
-    async def blob_is_referenced(self, sha256: str) -> bool:
-        """Does an entry refer to the blob, or does it wait out its grace as a tombstone?"""
+    async def unreferenced_blobs(self, sha256s: Sequence[str]) -> set[str]:
+        """Those of ``sha256s`` that no entry refers to and no tombstone names (one
+        statement for the whole batch: the orphan sweep's question)."""
         ...
 
     async def storage_usage(self) -> StorageUsage:
@@ -189,9 +190,14 @@ class Catalog(Protocol):
         """Forget tombstones whose blob an entry refers to again; how many."""
         ...
 
-    async def take_due_tombstones(self, grace_s: float, limit: int) -> list[tuple[str, int]]:
-        """Remove and return ``(sha256, size)`` of tombstones older than ``grace_s`` whose
-        blob no entry refers to: the caller deletes those files."""
+    async def due_tombstones(self, grace_s: float, after: str, limit: int) -> list[tuple[str, int]]:
+        """``(sha256, size)`` of up to ``limit`` tombstones older than ``grace_s`` whose
+        blob no entry refers to, in sha256 order after ``after`` (keyset pages). They
+        stay until ``forget_tombstones``: the caller deletes the files first."""
+        ...
+
+    async def forget_tombstones(self, sha256s: Sequence[str]) -> int:
+        """Drop the tombstones of blobs whose files are gone; how many."""
         ...
 
     async def delete_expired_negatives(self, older_than_ms: int) -> int: ...

@@ -106,9 +106,11 @@ class SqlCatalog:
             for row in await self._fetch("least_recently_used", repository, limit)
         ]
 
-    async def blob_is_referenced(self, sha256: str) -> bool:
-        row = await self._fetchrow("blob_referenced", sha256)
-        return bool(row[0])
+    async def unreferenced_blobs(self, sha256s: Sequence[str]) -> set[str]:
+        if not sha256s:
+            return set()
+        rows = await self._fetch("unreferenced_blobs", json.dumps(list(sha256s)))
+        return {row[0] for row in rows}
 
     async def delete_expired_negatives(self, older_than_ms: int) -> int:
         return await self._execute("delete_expired_negatives", older_than_ms)
@@ -130,9 +132,14 @@ class SqlCatalog:
     async def drop_referenced_tombstones(self) -> int:
         return await self._execute("drop_referenced_tombstones")
 
-    async def take_due_tombstones(self, grace_s: float, limit: int) -> list[tuple[str, int]]:
-        rows = await self._write_fetch("take_due_tombstones", float(grace_s), int(limit))
+    async def due_tombstones(self, grace_s: float, after: str, limit: int) -> list[tuple[str, int]]:
+        rows = await self._fetch("due_tombstones", float(grace_s), after, int(limit))
         return [(r[0], int(r[1])) for r in rows]
+
+    async def forget_tombstones(self, sha256s: Sequence[str]) -> int:
+        if not sha256s:
+            return 0
+        return await self._execute("forget_tombstones", json.dumps(list(sha256s)))
 
     # -- links ------------------------------------------------------------------------------
 

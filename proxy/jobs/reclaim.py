@@ -12,13 +12,14 @@ import re
 from proxy import metrics
 from proxy.blobs import BlobStore
 from proxy.blocking import run_blocking
-from proxy.cache import delete_blob_if_orphan
 from proxy.catalog import Catalog
 from proxy.clock import Clock
 
 STALE_TEMP_AGE_S = 24 * 3600.0
 ORPHAN_BLOB_MIN_AGE_S = 3600.0
 NEGATIVE_RETENTION_S = 3600.0
+# Names per catalog question of the orphan sweep: one statement per batch, not per blob.
+ORPHAN_BATCH = 1000
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -46,19 +47,24 @@ class Reclaim:
         )
 
     async def remove_orphans(self) -> int:
-        cutoff = self.clock.now_ms() / 1000 - ORPHAN_BLOB_MIN_AGE_S
+        """Delete blob files older than ``ORPHAN_BLOB_MIN_AGE_S`` that no entry refers to
+        and no tombstone names, asking the catalog once per ``ORPHAN_BATCH`` names."""
+        cutoff_s = self.clock.now_ms() / 1000 - ORPHAN_BLOB_MIN_AGE_S
 
         def candidates() -> list[str]:
             return [
                 sha
                 for sha, _size, mtime in self.blobs.iter_blobs()
-                if mtime < cutoff and _SHA256_RE.match(sha)
+                if mtime < cutoff_s and _SHA256_RE.match(sha)
             ]
 
+        names = await run_blocking(candidates)
         removed = 0
-        for sha256 in await run_blocking(candidates):
-            if await delete_blob_if_orphan(
-                self.catalog, self.blobs, sha256, ORPHAN_BLOB_MIN_AGE_S, self.clock
-            ):
-                removed += 1
+        for start in range(0, len(names), ORPHAN_BATCH):
+            orphans = await self.catalog.unreferenced_blobs(names[start : start + ORPHAN_BATCH])
+            # The age is judged again at deletion: a fetch may have published it since.
+            deleted, _absent = await run_blocking(
+                self.blobs.delete_older, sorted(orphans), cutoff_s
+            )
+            removed += len(deleted)
         return removed

@@ -64,11 +64,6 @@ SELECT repository, key, kind, sha256, size, content_type, etag, last_modified, d
 FROM entries WHERE repository = $1 AND kind <> 'negative'
 ORDER BY last_access_ms LIMIT $2
 
--- name: blob_referenced
--- Referenced by an entry, or waiting out its grace period as a tombstone.
-SELECT EXISTS (SELECT 1 FROM entries WHERE sha256 = $1)
-    OR EXISTS (SELECT 1 FROM blob_tombstones WHERE sha256 = $1)
-
 -- name: storage_usage
 -- Proxied entries and bytes, hosted bytes, tombstoned bytes (sizes of entries, not of
 -- distinct blobs: docs/architecture.md, "Eviction and retention").
@@ -114,18 +109,25 @@ RETURNING e.repository, e.key, e.sha256, e.size
 DELETE FROM blob_tombstones AS t
 WHERE EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
 
--- name: take_due_tombstones
--- ($1 grace seconds, $2 most blobs): tombstones older than the grace period whose blob
--- no entry refers to; the caller deletes their files.
-WITH due AS (
-    SELECT t.sha256 FROM blob_tombstones AS t
-    WHERE t.tombstoned_at <= clock_timestamp() - make_interval(secs => $1)
-      AND NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
-    ORDER BY t.tombstoned_at LIMIT $2
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM blob_tombstones AS b USING due WHERE b.sha256 = due.sha256
-RETURNING b.sha256, b.size
+-- name: due_tombstones
+-- ($1 grace seconds, $2 after this sha256, $3 most blobs): tombstones older than the
+-- grace period whose blob no entry refers to, in sha256 order from $2 on (keyset pages).
+-- Only read: a tombstone is forgotten (forget_tombstones) once its file is really gone.
+SELECT t.sha256, t.size FROM blob_tombstones AS t
+WHERE t.sha256 > $2 AND t.tombstoned_at <= clock_timestamp() - make_interval(secs => $1)
+  AND NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
+ORDER BY t.sha256 LIMIT $3
+
+-- name: forget_tombstones
+-- $1: a JSON array of sha256s whose files are deleted (or were never there).
+DELETE FROM blob_tombstones WHERE sha256 IN (SELECT jsonb_array_elements_text($1::jsonb))
+
+-- name: unreferenced_blobs
+-- $1: a JSON array of sha256s; those no entry refers to and no tombstone names (the
+-- orphan sweep asks once per batch of names, not once per blob).
+SELECT v.sha FROM jsonb_array_elements_text($1::jsonb) AS v(sha)
+WHERE NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = v.sha)
+  AND NOT EXISTS (SELECT 1 FROM blob_tombstones WHERE blob_tombstones.sha256 = v.sha)
 
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < $1

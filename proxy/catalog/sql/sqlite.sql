@@ -60,11 +60,6 @@ SELECT repository, key, kind, sha256, size, content_type, etag, last_modified, d
 FROM entries WHERE repository = ?1 AND kind <> 'negative'
 ORDER BY last_access_ms LIMIT ?2
 
--- name: blob_referenced
--- Referenced by an entry, or waiting out its grace period as a tombstone.
-SELECT EXISTS (SELECT 1 FROM entries WHERE sha256 = ?1)
-    OR EXISTS (SELECT 1 FROM blob_tombstones WHERE sha256 = ?1)
-
 -- name: storage_usage
 -- Proxied entries and bytes, hosted bytes, tombstoned bytes (sizes of entries, not of
 -- distinct blobs: docs/architecture.md, "Eviction and retention").
@@ -101,16 +96,25 @@ RETURNING repository, key, sha256, size
 DELETE FROM blob_tombstones
 WHERE EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = blob_tombstones.sha256)
 
--- name: take_due_tombstones
--- (?1 grace seconds, ?2 most blobs): tombstones older than the grace period whose blob
--- no entry refers to; the caller deletes their files.
-DELETE FROM blob_tombstones WHERE sha256 IN (
-    SELECT t.sha256 FROM blob_tombstones AS t
-    WHERE t.tombstoned_at_ms <= clock_ms() - CAST(?1 * 1000 AS INTEGER)
-      AND NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
-    ORDER BY t.tombstoned_at_ms LIMIT ?2
-)
-RETURNING sha256, size
+-- name: due_tombstones
+-- (?1 grace seconds, ?2 after this sha256, ?3 most blobs): tombstones older than the
+-- grace period whose blob no entry refers to, in sha256 order from ?2 on (keyset pages).
+-- Only read: a tombstone is forgotten (forget_tombstones) once its file is really gone.
+SELECT t.sha256, t.size FROM blob_tombstones AS t
+WHERE t.sha256 > ?2 AND t.tombstoned_at_ms <= clock_ms() - CAST(?1 * 1000 AS INTEGER)
+  AND NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = t.sha256)
+ORDER BY t.sha256 LIMIT ?3
+
+-- name: forget_tombstones
+-- ?1: a JSON array of sha256s whose files are deleted (or were never there).
+DELETE FROM blob_tombstones WHERE sha256 IN (SELECT value FROM json_each(?1))
+
+-- name: unreferenced_blobs
+-- ?1: a JSON array of sha256s; those no entry refers to and no tombstone names (the
+-- orphan sweep asks once per batch of names, not once per blob).
+SELECT v.value FROM json_each(?1) AS v
+WHERE NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = v.value)
+  AND NOT EXISTS (SELECT 1 FROM blob_tombstones WHERE blob_tombstones.sha256 = v.value)
 
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < ?1
