@@ -36,7 +36,7 @@ from typing import Any
 from bench.common import percentile, workdir
 from proxy.catalog import migrations_dir, open_catalog
 from proxy.clock import SYSTEM_CLOCK
-from proxy.config import load
+from proxy.config.load import load
 
 DAY_MS = 86_400_000
 REPOSITORIES = ("pypi", "maven", "npm-raw", "tools")
@@ -161,9 +161,9 @@ def make_blob_files(blobs_dir: Path, count: int) -> None:
 
 async def sweep(engine: Any, count: int, per_blob: bool) -> tuple[float, int, int]:
     """Reclaim's orphan sweep; (seconds, catalog questions, blobs deleted)."""
-    from proxy.blocking import run_blocking
     from proxy.clock import SYSTEM_CLOCK as clock
     from proxy.jobs import reclaim
+    from proxy.runtime.blocking import run_blocking
 
     started = time.perf_counter()
     await run_blocking(make_blob_files, engine.blobs.blobs_dir, count)

@@ -1,7 +1,7 @@
 """``proxy serve | check-config | migrate | gc | stats | mirror | jobs``.
 
 Nothing of the proxy is imported at module level: the Prometheus client decides where
-metric values live when ``proxy.metrics`` is first imported, so the metrics folder must
+metric values live when ``proxy.runtime.metrics`` is first imported, so the metrics folder must
 be settled before (``private_metrics_dir``).
 """
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from proxy import __version__
 
 if TYPE_CHECKING:
-    from proxy.settings import Settings
+    from proxy.config.settings import Settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,9 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     private_metrics_dir()
-    from proxy.config import load
+    from proxy.config.load import load
     from proxy.exceptions import ConfigError
-    from proxy.logs import configure_logging
+    from proxy.runtime.logs import configure_logging
 
     environ = dict(os.environ)
     if getattr(args, "config", None):
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # not a traceback from inside the server's startup.
     if asyncio.run(_migrate(settings, quiet=True)) != 0:
         return 1
-    from proxy import server
+    from proxy.http import server
 
     try:
         return server.serve(settings, workers, args.access_log, args.log_level)
@@ -170,11 +170,11 @@ async def _migrate(settings: Settings, quiet: bool = False) -> int:
 
 
 async def _gc(settings: Settings) -> int:
-    from proxy.blobs import BlobStore
     from proxy.catalog import open_catalog
     from proxy.clock import SYSTEM_CLOCK
     from proxy.exceptions import CatalogError
     from proxy.jobs.reclaim import Reclaim
+    from proxy.storage.blobs import BlobStore
 
     catalog = open_catalog(settings.database_url)
     try:
@@ -216,8 +216,8 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
     from proxy.clock import SYSTEM_CLOCK
     from proxy.engine import open_engine
     from proxy.exceptions import CatalogError
-    from proxy.progress import MirrorProgress
-    from proxy.purls import parse_purl
+    from proxy.mirror.progress import MirrorProgress
+    from proxy.mirror.purls import parse_purl
 
     for purl in args.purls:
         try:

@@ -22,21 +22,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
-from proxy import responses as _responses
-from proxy.exceptions import (
-    BadRequest,
-    ClientError,
-    DigestMismatch,
-    Forbidden,
-    NotConfigured,
-    NotFound,
-    PayloadTooLarge,
-    Unauthorized,
-    UpstreamError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-)
-from proxy.options import (
+from proxy.config.options import (
     Choice,
     Duration,
     Flag,
@@ -52,7 +38,21 @@ from proxy.options import (
     option,
     toml_key,
 )
-from proxy.settings import RepositorySettings
+from proxy.config.settings import RepositorySettings
+from proxy.exceptions import (
+    BadRequest,
+    ClientError,
+    DigestMismatch,
+    Forbidden,
+    NotConfigured,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from proxy.http import responses as _responses
 from proxy.types import (
     KNOWN_DIGESTS,
     Digests,

@@ -3,7 +3,7 @@
 ``open_engine`` is the composition root: it opens the catalog and the blob store,
 builds the fetch machinery and one adapter per repository (looking formats up in the
 registry), and on exit hands every lease back and closes what it opened. The HTTP app
-(``app.py``) serves it; a command that needs the engine without a server opens it the
+(``http/app.py``) serves it; a command that needs the engine without a server opens it the
 same way (docs/architecture.md, "Module map").
 """
 
@@ -18,23 +18,24 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import cast
 
-from proxy import formats, metrics
-from proxy.blobs import BlobStore
-from proxy.blocking import CpuPool, install_io_executor, run_blocking
+from proxy import formats
 from proxy.cache import Cache
+from proxy.cache.index import AccessLog, EntryIndex
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import Clock
+from proxy.config.settings import Settings
 from proxy.contract import Adapter, FormatContext, MirrorAdapter, RepositoryCache
-from proxy.entry_index import AccessLog, EntryIndex
 from proxy.exceptions import CatalogError
-from proxy.fetch import Fetcher
+from proxy.fetch.fetcher import Fetcher
+from proxy.fetch.leases import LeaseCoordinator, make_holder_id
+from proxy.http.responses import HotBlobs
 from proxy.jobs import Job, Scheduler, standard_jobs
-from proxy.leases import LeaseCoordinator, make_holder_id
-from proxy.mirrors import Mirrors
-from proxy.responses import HotBlobs
-from proxy.settings import Settings
-from proxy.tasks import TaskSupervisor, watch_loop_lag
-from proxy.upstream import UpstreamPool
+from proxy.mirror.runner import Mirrors
+from proxy.runtime import metrics
+from proxy.runtime.blocking import CpuPool, install_io_executor, run_blocking
+from proxy.runtime.tasks import TaskSupervisor, watch_loop_lag
+from proxy.storage.blobs import BlobStore
+from proxy.upstream.client import UpstreamPool
 
 log = logging.getLogger("proxy.engine")
 

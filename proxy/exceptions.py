@@ -17,7 +17,7 @@
     └── StorageError           the blob store failed (disk full, shared volume gone): 503
 
 Foreign errors are translated once, at the boundary, with ``raise ... from exc``:
-httpx errors in ``upstream.py``, sqlite3 and asyncpg errors in ``catalog/``.
+httpx errors in ``upstream/client.py``, sqlite3 and asyncpg errors in ``catalog/``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMappi
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.http_semantics import header_value_ok
+from proxy.http.semantics import header_value_ok
 
 Digests = dict[str, str]
 """Digest name (``sha256``, ``sha1``, ``md5``, ``sha512``) -> lower-case hex."""
@@ -77,7 +77,7 @@ class LinkBatch:
 class PackageRef:
     """A package named by a purl (``pkg:type/namespace/name@version?qualifiers``).
 
-    The engine parses purls (``proxy/purls.py``) and hands formats this value, so a
+    The engine parses purls (``proxy/mirror/purls.py``) and hands formats this value, so a
     format never parses one itself. ``version`` None means "latest or all versions".
     """
 

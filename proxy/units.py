@@ -1,7 +1,7 @@
 """Human-written durations ("15s", "10m", "250ms") and sizes ("512MiB", "10GB").
 
 Both parsers raise ``ValueError`` with a message that shows an accepted spelling;
-``config.py`` prefixes it with the key that held the value.
+``config/load.py`` prefixes it with the key that held the value.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from typing import Protocol
 
 import pytest
 
-from proxy.app import create_app
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import SYSTEM_CLOCK, Clock, ManualClock
-from proxy.config import load
-from proxy.settings import Settings
+from proxy.config.load import load
+from proxy.config.settings import Settings
+from proxy.http.app import create_app
 from tests.maven_repo import MissingMavenRepo, copy_with_checksums
 from tests.pg import PostgresServer, create_database, drop_database
 from tests.upstream import FakeUpstream, ServerThread, start_upstream

@@ -13,12 +13,12 @@ import pytest
 
 from proxy import formats
 from proxy.catalog import queries
+from proxy.config.options import options_of
 from proxy.contract import FormatPlugin
-from proxy.options import options_of
 
 PROXY = Path(__file__).resolve().parent.parent / "proxy"
 # The composition root: the only modules that look formats up in the registry.
-REGISTRY_USERS = {"proxy.engine", "proxy.config", "proxy.formats"}
+REGISTRY_USERS = {"proxy.engine", "proxy.config.load", "proxy.formats"}
 # Modules of a format that are its own helpers, not formats (pure parsing, no engine).
 FORMAT_HELPERS = {"proxy.formats.simple_index"}
 

@@ -1,5 +1,5 @@
 """Index pages of a real index's size, served by a real `proxy serve` while cache hits
-go on (proxy/formats/pypi.py, proxy/blocking.py CpuPool): the pages are parsed and
+go on (proxy/formats/pypi.py, proxy/runtime/blocking.py CpuPool): the pages are parsed and
 rendered off the event loop, hits stay fast, and memory stays bounded.
 
 The bounds asserted here are loose on purpose (this machine is shared and noisy);

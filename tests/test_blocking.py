@@ -1,4 +1,4 @@
-"""The CpuPool (proxy/blocking.py): where parsing of upstream input runs. Real threads
+"""The CpuPool (proxy/runtime/blocking.py): where parsing of upstream input runs. Real threads
 and real child processes; the functions they run are module-level (picklable)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.blocking import THREAD_INPUT_MAX_BYTES, CpuPool
 from proxy.exceptions import UpstreamUnavailable
+from proxy.runtime.blocking import THREAD_INPUT_MAX_BYTES, CpuPool
 
 pytestmark = pytest.mark.anyio
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import load
+from proxy.config.load import load
+from proxy.config.options import toml_string
 from proxy.exceptions import ConfigError
-from proxy.options import toml_string
 from tests.conftest import write_config
 
 

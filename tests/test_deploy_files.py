@@ -380,7 +380,7 @@ def test_the_kubernetes_config_is_a_valid_proxy_config(tmp_path: Path) -> None:
 
 
 def exported_metrics() -> set[str]:
-    text = (ROOT / "proxy" / "metrics.py").read_text()
+    text = (ROOT / "proxy" / "runtime" / "metrics.py").read_text()
     return set(
         re.findall(r'^\w+ = (?:Counter|Gauge|Histogram)\(\s*"(proxy_\w+)"', text, re.MULTILINE)
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.config import load
+from proxy.config.load import load
 from proxy.engine import Engine, open_engine
 from proxy.jobs import Job
 from tests.conftest import pypi_config, write_config

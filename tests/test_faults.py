@@ -15,11 +15,11 @@ import pytest
 from proxy.catalog import Entry, migrations_dir
 from proxy.catalog.sqlite import SqliteCatalog
 from proxy.clock import SYSTEM_CLOCK
+from proxy.config.settings import LeaseSettings
 from proxy.exceptions import CatalogError
+from proxy.fetch.leases import LeaseCoordinator
 from proxy.jobs import Job, Scheduler
-from proxy.leases import LeaseCoordinator
-from proxy.settings import LeaseSettings
-from proxy.tasks import TaskSupervisor
+from proxy.runtime.tasks import TaskSupervisor
 from tests.upstream import FakeUpstream, ProjectFile, ServerThread
 
 pytestmark = pytest.mark.anyio
@@ -47,10 +47,10 @@ class FlakyCatalog(SqliteCatalog):
 
 
 async def test_a_won_lease_is_released_when_the_next_read_fails(tmp_path: Path) -> None:
-    from proxy.blobs import BlobStore
+    from proxy.cache.index import EntryIndex
     from proxy.contract import FetchSpec, OriginContext
-    from proxy.entry_index import EntryIndex
-    from proxy.fetch import Fetcher, Miss
+    from proxy.fetch.fetcher import Fetcher, Miss
+    from proxy.storage.blobs import BlobStore
     from proxy.types import Kind
 
     catalog = FlakyCatalog(tmp_path / "c.db")

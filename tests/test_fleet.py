@@ -280,7 +280,7 @@ def test_sigterm_of_the_holder_hands_over_at_once(
         return await waiting, handover_s
 
     results, handover_s = asyncio.run(scenario())
-    assert holder.wait(30) == 0  # a clean stop (proxy/server.py owns the signal)
+    assert holder.wait(30) == 0  # a clean stop (proxy/http/server.py owns the signal)
     assert "shut down: flushed" in holder.log()
     assert results == [(200, hashlib.sha256(big.body).hexdigest(), len(big.body))]
     assert handover_s < 5, f"handover took {handover_s:.2f}s: the lease was not released on SIGTERM"

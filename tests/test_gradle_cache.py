@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.config import load
+from proxy.config.load import load
 from tests.conftest import ProxyFactory, write_config
 from tests.processes import metric_value
 from tests.rawhttp import raw_get

@@ -1,4 +1,4 @@
-"""Hostile and broken upstreams (proxy/upstream.py, proxy/ssrf.py): nothing freezes,
+"""Hostile and broken upstreams (proxy/upstream/client.py, proxy/upstream/ssrf.py): nothing freezes,
 nothing leaks, nothing wrong is kept, and no request answers 500.
 
 Each test scripts an upstream with tests/hostile.py (raw bytes, trickles, redirects)
@@ -19,11 +19,11 @@ import pytest
 
 from proxy.catalog import Entry, open_catalog
 from proxy.clock import SYSTEM_CLOCK
-from proxy.config import load
+from proxy.config.load import load
+from proxy.config.settings import UpstreamSettings
 from proxy.exceptions import UpstreamUnavailable
-from proxy.settings import UpstreamSettings
 from proxy.types import Kind
-from proxy.upstream import BUDGET_BYTES_PER_BODY_BYTE, ByteBudget, UpstreamPool
+from proxy.upstream.client import BUDGET_BYTES_PER_BODY_BYTE, ByteBudget, UpstreamPool
 from tests import hostile
 from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.hostile import HostileUpstream, head

@@ -1,4 +1,4 @@
-"""Cache-Control on every answer (proxy/responses.py), so a CDN or the load balancer in
+"""Cache-Control on every answer (proxy/http/responses.py), so a CDN or the load balancer in
 front can absorb hits: immutable files forever, metadata for what is left of its TTL,
 computed and stale answers revalidated, errors and uploads never stored."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from proxy.clock import ManualClock
-from proxy.config import load
+from proxy.config.load import load
 from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.upstream import FakeUpstream, ProjectFile
 

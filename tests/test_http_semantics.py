@@ -1,10 +1,10 @@
-"""Pure HTTP semantics (proxy/http_semantics.py): ranges, entity tags, dates. No server."""
+"""Pure HTTP semantics (proxy/http/semantics.py): ranges, entity tags, dates. No server."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.http_semantics import (
+from proxy.http.semantics import (
     UNSATISFIABLE,
     etag_of,
     http_date,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import load
+from proxy.config.load import load
 from tests.conftest import ProxyFactory, write_config
 from tests.upstream import FakeUpstream, ServerThread, start_upstream
 

@@ -10,9 +10,9 @@ import pytest
 from proxy.catalog import Catalog, Entry, LeaseGrant, open_catalog
 from proxy.catalog.queries import load
 from proxy.clock import SYSTEM_CLOCK, ManualClock
-from proxy.leases import LeaseCoordinator, Verdict
-from proxy.settings import LeaseSettings
-from proxy.tasks import TaskSupervisor
+from proxy.config.settings import LeaseSettings
+from proxy.fetch.leases import LeaseCoordinator, Verdict
+from proxy.runtime.tasks import TaskSupervisor
 from proxy.types import Kind
 from tests.conftest import pass_time
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.config import load
+from proxy.config.load import load
 from proxy.exceptions import BadRequest
 from proxy.formats.maven import parse_checksum, parse_path
 from proxy.types import Kind

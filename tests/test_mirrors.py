@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.config import load
+from proxy.config.load import load
 from proxy.engine import Engine, open_engine
 from proxy.exceptions import ConfigError
 from proxy.formats import simple_index as si
 from proxy.formats.maven import ArtifactVersions, parse_metadata, select_versions
 from proxy.formats.pypi import select_files
-from proxy.progress import MirrorProgress
-from proxy.purls import parse_purl
-from proxy.sbom import purls_in_sbom
+from proxy.mirror.progress import MirrorProgress
+from proxy.mirror.purls import parse_purl
+from proxy.mirror.sbom import purls_in_sbom
 from tests.conftest import write_config
 from tests.upstream import FakeUpstream, ProjectFile
 

@@ -1,11 +1,11 @@
-"""Request paths and header limits (proxy/paths.py), decoded from the raw bytes. No server."""
+"""Request paths and header limits (proxy/http/paths.py), decoded from the raw bytes. No server."""
 
 from __future__ import annotations
 
 import pytest
 
 from proxy.exceptions import ClientError
-from proxy.paths import MAX_HEADER_BYTES, MAX_PATH_BYTES, check_headers, split_path
+from proxy.http.paths import MAX_HEADER_BYTES, MAX_PATH_BYTES, check_headers, split_path
 
 
 @pytest.mark.parametrize(

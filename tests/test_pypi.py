@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.config import load
+from proxy.config.load import load
 from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.processes import metric_value
 from tests.upstream import FakeUpstream, ProjectFile, ServerThread, make_wheel

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.config import load
+from proxy.config.load import load
 from tests.conftest import ProxyFactory, write_config
 from tests.processes import ProxyProcess
 from tests.upstream import FakeUpstream, ServerThread, make_sdist

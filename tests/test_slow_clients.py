@@ -1,5 +1,5 @@
-"""Slow and hostile clients against a real `proxy serve` (proxy/http_protocol.py,
-proxy/server.py): half-sent heads time out, huge heads are refused before they are
+"""Slow and hostile clients against a real `proxy serve` (proxy/http/protocol.py,
+proxy/http/server.py): half-sent heads time out, huge heads are refused before they are
 buffered, clients that never read cost a bounded buffer each, and a user's metrics
 folder survives --workers."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.http_protocol import HEAD_TIMEOUT_S, MAX_HEAD_BYTES
+from proxy.http.protocol import HEAD_TIMEOUT_S, MAX_HEAD_BYTES
 from tests import hostile
 from tests.conftest import write_config
 from tests.processes import ProxyProcess
@@ -129,7 +129,7 @@ def test_a_miss_streamed_to_slow_readers_arrives_exact_beside_stalled_ones(
     proxy: ProxyProcess, upstream: FakeUpstream
 ) -> None:
     """Bytes of a download in progress go to a client by sendfile while its socket takes
-    them, and by the ordinary write path when it is full (proxy/http_protocol.py,
+    them, and by the ordinary write path when it is full (proxy/http/protocol.py,
     SocketFileSender): small receive buffers and pauses make the two alternate often."""
     body = os.urandom(16 * MiB)
     upstream.files["/growing.bin"] = body

@@ -1,4 +1,4 @@
-"""The SSRF policy (proxy/ssrf.py): which addresses are internal, and what a repository's
+"""The SSRF policy (proxy/upstream/ssrf.py): which addresses are internal, and what a repository's
 listed URLs may reach. Name resolution is real (loopback names only)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ipaddress
 import pytest
 
 from proxy.exceptions import UpstreamUnavailable
-from proxy.ssrf import AddressPolicy, address_kind
+from proxy.upstream.ssrf import AddressPolicy, address_kind
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""A full disk, for real (proxy/blobs.py, /readyz): the storage is a small tmpfs that a
+"""A full disk, for real (proxy/storage/blobs.py, /readyz): the storage is a small tmpfs that a
 `proxy serve` mounts in a mount namespace of its own (``unshare``), so nothing on this
 machine is touched. ENOSPC is logged by name and counted, /readyz says why it is not
 ready, and cached hits keep being served."""

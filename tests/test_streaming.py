@@ -1,4 +1,4 @@
-"""Streaming across replicas (proxy/transfer.py; docs/architecture.md, "Streaming across
+"""Streaming across replicas (proxy/fetch/transfer.py; docs/architecture.md, "Streaming across
 replicas"), with real `proxy serve` processes on one Postgres and one shared folder.
 
 Clients of a replica that waits on another's fetch lease get bytes as soon as the

@@ -1,4 +1,4 @@
-"""A follower's transfer lifecycle (proxy/fetch.py, proxy/transfer.py), driven step by
+"""A follower's transfer lifecycle (proxy/fetch/fetcher.py, proxy/fetch/transfer.py), driven step by
 step in one process: real files in a storage folder, a scripted lease coordinator (the
 races here are too narrow to hit reliably with real replicas; test_streaming.py covers
 the same paths end to end)."""
@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-import proxy.transfer as transfer_mod
-from proxy.blobs import BlobStore
+import proxy.fetch.transfer as transfer_mod
 from proxy.catalog import Entry, StreamInfo
 from proxy.clock import SYSTEM_CLOCK
 from proxy.contract import Fetched, FetchSpec, Status
 from proxy.exceptions import CatalogError, ProxyError, ShuttingDown
-from proxy.fetch import Fetcher, Miss, Streaming
-from proxy.leases import Verdict, WaitResult
-from proxy.tasks import TaskSupervisor
+from proxy.fetch.fetcher import Fetcher, Miss, Streaming
+from proxy.fetch.leases import Verdict, WaitResult
+from proxy.runtime.tasks import TaskSupervisor
+from proxy.storage.blobs import BlobStore
 from proxy.types import Kind
 
 KEY = "tool-1.0.tar.gz"

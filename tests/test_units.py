@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.options import Duration, Globs, Hosts, Integer, Size, Urls
+from proxy.config.options import Duration, Globs, Hosts, Integer, Size, Urls
 from proxy.units import format_duration, format_size, parse_duration, parse_size
 
 

@@ -13,7 +13,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.blocking import run_blocking
 from proxy.catalog import (
     Entry,
     JobRun,
@@ -28,6 +27,7 @@ from proxy.catalog import (
 )
 from proxy.catalog.queries import Queries
 from proxy.clock import Clock
+from proxy.runtime.blocking import run_blocking
 from proxy.types import Link, LinkBatch
 
 

@@ -25,12 +25,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from proxy.blocking import run_blocking
 from proxy.catalog import migration_files
 from proxy.catalog.base import SqlCatalog
 from proxy.catalog.queries import load
 from proxy.clock import Clock
 from proxy.exceptions import CatalogError
+from proxy.runtime.blocking import run_blocking
 
 T = TypeVar("T")
 log = logging.getLogger("proxy.catalog")

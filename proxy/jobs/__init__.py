@@ -15,16 +15,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from proxy import metrics
 from proxy.catalog import Catalog
 from proxy.clock import Clock
 from proxy.exceptions import CatalogError
-from proxy.tasks import TaskSupervisor
+from proxy.runtime import metrics
+from proxy.runtime.tasks import TaskSupervisor
 
 if TYPE_CHECKING:
-    from proxy.blobs import BlobStore
     from proxy.cache import Cache
-    from proxy.settings import Settings
+    from proxy.config.settings import Settings
+    from proxy.storage.blobs import BlobStore
 
 log = logging.getLogger("proxy.jobs")
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy import metrics
 from proxy.cache import Cache
+from proxy.runtime import metrics
 from proxy.units import human_size
 
 BATCH_ENTRIES = 1000

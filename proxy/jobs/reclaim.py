@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 
-from proxy import metrics
-from proxy.blobs import BlobStore
-from proxy.blocking import run_blocking
 from proxy.catalog import Catalog
 from proxy.clock import Clock
+from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
+from proxy.storage.blobs import BlobStore
 
 STALE_TEMP_AGE_S = 24 * 3600.0
 ORPHAN_BLOB_MIN_AGE_S = 3600.0

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy import metrics
 from proxy.cache import Cache
 from proxy.clock import Clock
+from proxy.runtime import metrics
 from proxy.units import format_duration, human_size
 
 BATCH_ENTRIES = 1000

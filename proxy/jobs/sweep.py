@@ -9,9 +9,9 @@ removal, an evicted entry's blob is tombstoned and deleted after the grace perio
 
 from __future__ import annotations
 
-from proxy import metrics
 from proxy.cache import Cache
 from proxy.catalog import Catalog
+from proxy.runtime import metrics
 
 LOW_WATER_FRACTION = 0.9
 BATCH_ENTRIES = 500

@@ -4,7 +4,7 @@ Only the purl fields are read, with the standard library's JSON parser: the full
 CycloneDX and SPDX models (cyclonedx-python-lib, spdx-tools) bring several
 dependencies each and reject documents of spec versions they do not know, while a
 mirror needs one field per package. Purls themselves are parsed by packageurl-python
-(``proxy/purls.py``). Pure functions: no I/O.
+(``proxy/mirror/purls.py``). Pure functions: no I/O.
 """
 
 from __future__ import annotations

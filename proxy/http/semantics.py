@@ -1,5 +1,5 @@
 """HTTP request semantics, as pure functions: entity tags, dates, byte ranges and
-Retry-After (RFC 9110 §8.8, §10.2.3, §13, §14). No I/O; ``responses.py`` applies them
+Retry-After (RFC 9110 §8.8, §10.2.3, §13, §14). No I/O; ``http/responses.py`` applies them
 to stored entries.
 """
 

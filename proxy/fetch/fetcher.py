@@ -18,13 +18,10 @@ import logging
 import re
 from dataclasses import dataclass
 
-from proxy import metrics
-from proxy.blobs import BlobStore, storage_error
+from proxy.cache.index import EntryIndex
 from proxy.catalog import Catalog, Entry, StreamInfo
 from proxy.clock import Clock
 from proxy.contract import Fetched, FetchSpec, OriginContext, Status
-from proxy.download import Download
-from proxy.entry_index import EntryIndex
 from proxy.exceptions import (
     CatalogError,
     DigestMismatch,
@@ -34,9 +31,12 @@ from proxy.exceptions import (
     UpstreamError,
     UpstreamUnavailable,
 )
-from proxy.leases import HeldLease, LeaseCoordinator, Verdict
-from proxy.tasks import TaskSupervisor
-from proxy.transfer import LocalFile, SharedFile, Source, Transfer
+from proxy.fetch.download import Download
+from proxy.fetch.leases import HeldLease, LeaseCoordinator, Verdict
+from proxy.fetch.transfer import LocalFile, SharedFile, Source, Transfer
+from proxy.runtime import metrics
+from proxy.runtime.tasks import TaskSupervisor
+from proxy.storage.blobs import BlobStore, storage_error
 from proxy.types import KNOWN_DIGESTS, Kind, Validators
 
 log = logging.getLogger("proxy.fetch")

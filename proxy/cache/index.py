@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from proxy import metrics
 from proxy.catalog import Catalog, Entry
 from proxy.clock import Clock
 from proxy.exceptions import CatalogError
+from proxy.runtime import metrics
 from proxy.types import Kind
 
 log = logging.getLogger("proxy.cache")

@@ -2,7 +2,7 @@
 "Upstream safety").
 
 One httpx client serves every repository; ``UpstreamPool.for_repository`` gives each
-repository an ``Upstream`` with that repository's SSRF policy (``ssrf.py``). What a
+repository an ``Upstream`` with that repository's SSRF policy (``upstream/ssrf.py``). What a
 hostile or broken upstream cannot do here:
 
 - hold a transfer forever: the response head must arrive within connect + read
@@ -37,13 +37,14 @@ from urllib.parse import urljoin, urlsplit
 import httpcore
 import httpx
 
-from proxy import __version__, metrics
+from proxy import __version__
+from proxy.config.settings import UpstreamSettings
 from proxy.contract import UpstreamResponse
 from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from proxy.http_semantics import RETRY_AFTER_DEFAULT_S, header_value_ok, parse_retry_after
-from proxy.settings import UpstreamSettings
-from proxy.ssrf import AddressPolicy
+from proxy.http.semantics import RETRY_AFTER_DEFAULT_S, header_value_ok, parse_retry_after
+from proxy.runtime import metrics
 from proxy.units import format_duration, format_size
+from proxy.upstream.ssrf import AddressPolicy
 
 log = logging.getLogger("proxy.upstream")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
-from proxy.options import Percent, options_of, toml_string
+from proxy.config.options import Percent, options_of, toml_string
 from proxy.units import format_duration, format_size
 
 DEFAULT_LISTEN = "127.0.0.1:8080"

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from proxy import metrics
+from proxy.runtime import metrics
 
 log = logging.getLogger("proxy.tasks")
 

@@ -31,12 +31,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from proxy import metrics
 from proxy.catalog import Catalog, Entry, LeaseGrant, LeaseRow, StreamInfo
 from proxy.clock import SYSTEM_CLOCK, Clock
+from proxy.config.settings import LeaseSettings
 from proxy.exceptions import CatalogError
-from proxy.settings import LeaseSettings
-from proxy.tasks import TaskSupervisor
+from proxy.runtime import metrics
+from proxy.runtime.tasks import TaskSupervisor
 
 log = logging.getLogger("proxy.leases")
 

@@ -4,7 +4,7 @@
 table and key, collecting errors instead of stopping at the first, so an operator sees
 every bad key at once; each error names its key (``repositories.pypi.metadata_ttl: ...``).
 A repository's keys are validated generically from the options its format declares
-(``proxy/options.py``); this module knows no format by name.
+(``proxy/config/options.py``); this module knows no format by name.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy import formats
-from proxy.exceptions import ConfigError
-from proxy.options import (
+from proxy.config.options import (
     Choice,
     Duration,
     Flag,
@@ -32,8 +31,7 @@ from proxy.options import (
     Text,
     options_of,
 )
-from proxy.purls import parse_purl
-from proxy.settings import (
+from proxy.config.settings import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_EVICT_GRACE_S,
     DEFAULT_EVICT_INTERVAL_S,
@@ -68,6 +66,8 @@ from proxy.settings import (
     hide_password,
     upstream_env_var,
 )
+from proxy.exceptions import ConfigError
+from proxy.mirror.purls import parse_purl
 
 # Keys the engine adds to every repository whose format proxies an upstream.
 PROXY_REPOSITORY_KEYS: dict[str, OptionType[Any]] = {"retention": Duration(positive=True)}

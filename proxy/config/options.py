@@ -1,7 +1,7 @@
 """The vocabulary a format uses to declare its repository settings.
 
 A format's settings are a frozen dataclass whose fields are made with ``option(...)``.
-The config layer (``config.py``) walks those fields generically: it reads each TOML key,
+The config layer (``config/load.py``) walks those fields generically: it reads each TOML key,
 expands ``${VAR}``, parses the value with the field's ``OptionType`` and reports every
 bad value as ``repositories.<name>.<key>: <message>``; ``check-config`` prints them back
 with ``render``. A format never parses TOML itself.

@@ -16,9 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 
-from proxy import metrics, responses
-from proxy.blobs import BlobStore
-from proxy.blocking import CpuPool, run_blocking
+from proxy.cache.index import AccessLog, EntryIndex
 from proxy.catalog import Catalog, Entry, Removed, StorageUsage
 from proxy.clock import Clock
 from proxy.contract import (
@@ -29,7 +27,6 @@ from proxy.contract import (
     UpstreamClient,
     WarmResult,
 )
-from proxy.entry_index import AccessLog, EntryIndex
 from proxy.exceptions import (
     CatalogError,
     NotFound,
@@ -38,8 +35,12 @@ from proxy.exceptions import (
     UpstreamError,
     UpstreamUnavailable,
 )
-from proxy.fetch import Fetcher, Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
-from proxy.responses import HotBlobs
+from proxy.fetch.fetcher import Fetcher, Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
+from proxy.http import responses
+from proxy.http.responses import HotBlobs
+from proxy.runtime import metrics
+from proxy.runtime.blocking import CpuPool, run_blocking
+from proxy.storage.blobs import BlobStore
 from proxy.types import Digests, Kind, Link, LinkBatch
 
 log = logging.getLogger("proxy.cache")

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-from proxy.logs import configure_logging
-from proxy.settings import Settings
+from proxy.config.settings import Settings
+from proxy.runtime.logs import configure_logging
 
 log = logging.getLogger("proxy.server")
 
@@ -77,8 +77,8 @@ def run_process(
     """Serve on ``sock`` in this process until a signal (or the parent's death)."""
     import uvicorn
 
-    from proxy.app import ShutdownSignal, create_app
-    from proxy.http_protocol import GuardedHttpToolsProtocol
+    from proxy.http.app import ShutdownSignal, create_app
+    from proxy.http.protocol import GuardedHttpToolsProtocol
 
     shutdown = ShutdownSignal()
     config = uvicorn.Config(

@@ -176,6 +176,6 @@ class _Child:
 
 def _child_init() -> None:
     # The child's metrics are never exported: keep them in memory, out of the shared
-    # multiprocess folder (read before proxy.metrics is first imported here).
+    # multiprocess folder (read before proxy.runtime.metrics is first imported here).
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us, not a Ctrl+C

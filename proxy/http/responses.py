@@ -14,13 +14,11 @@ import os
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from proxy import metrics
-from proxy.blobs import storage_error
-from proxy.blocking import run_blocking
 from proxy.catalog import Entry
-from proxy.download import SEND_CHUNK_BYTES
-from proxy.http_protocol import SENDFILE_EXTENSION, SocketFileSender
-from proxy.http_semantics import (
+from proxy.fetch.download import SEND_CHUNK_BYTES
+from proxy.fetch.transfer import Transfer
+from proxy.http.protocol import SENDFILE_EXTENSION, SocketFileSender
+from proxy.http.semantics import (
     etag_of,
     header_value_ok,
     http_date,
@@ -30,7 +28,9 @@ from proxy.http_semantics import (
     not_modified_since,
     parse_range,
 )
-from proxy.transfer import Transfer
+from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
+from proxy.storage.blobs import storage_error
 from proxy.types import Kind, Receive, Scope, Send
 
 log = logging.getLogger("proxy.responses")

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, cast
 
-from proxy import metrics
-from proxy.blocking import run_blocking
+from proxy.config.settings import MirrorSettings
 from proxy.contract import FetchSpec, MirrorAdapter, MirrorVersions, RepositoryCache
 from proxy.exceptions import NotConfigured, NotFound, ProxyError
-from proxy.purls import parse_purl
-from proxy.sbom import purls_in_sbom
-from proxy.settings import MirrorSettings
+from proxy.mirror.purls import parse_purl
+from proxy.mirror.sbom import purls_in_sbom
+from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
 from proxy.types import PackageRef
 from proxy.units import human_size
 

@@ -19,9 +19,8 @@ from starlette.requests import Request as StarletteRequest
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from proxy import metrics, responses
-from proxy.blocking import run_blocking
 from proxy.clock import SYSTEM_CLOCK, Clock
+from proxy.config.settings import Settings
 from proxy.contract import Request
 from proxy.contract import Response as ASGIResponse
 from proxy.engine import Engine, open_engine
@@ -36,9 +35,11 @@ from proxy.exceptions import (
     UpstreamUnavailable,
     describe_os_error,
 )
-from proxy.http_semantics import retry_after_header
-from proxy.paths import check_headers, split_path
-from proxy.settings import Settings
+from proxy.http import responses
+from proxy.http.paths import check_headers, split_path
+from proxy.http.semantics import retry_after_header
+from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
 from proxy.types import Receive, Scope, Send
 from proxy.units import format_size, human_size
 
@@ -50,7 +51,7 @@ KNOWN_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"})
 
 
 class ShutdownSignal:
-    """How the process owner (``proxy/server.py``) starts the app's shutdown early.
+    """How the process owner (``proxy/http/server.py``) starts the app's shutdown early.
 
     The server drains open connections before the lifespan shutdown runs; a client
     streaming a download would hold our fetch leases for that whole time. ``request``

@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from proxy import metrics
-from proxy.blocking import run_blocking
 from proxy.exceptions import StorageError
+from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
 from proxy.types import Digests
 
 TEMP_SUFFIX = ".part"

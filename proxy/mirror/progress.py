@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from typing import TextIO
 
-from proxy.mirrors import MirrorSummary, Outcome
+from proxy.mirror.runner import MirrorSummary, Outcome
 from proxy.units import human_size
 
 BAR_WIDTH = 24

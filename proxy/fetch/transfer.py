@@ -31,10 +31,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from proxy.blocking import run_blocking
 from proxy.catalog import Entry
-from proxy.download import Download
 from proxy.exceptions import ProxyError, ShuttingDown, UpstreamUnavailable
+from proxy.fetch.download import Download
+from proxy.runtime.blocking import run_blocking
 
 log = logging.getLogger("proxy.transfer")
 

@@ -1,0 +1,1 @@
+"""Settings: the option vocabulary, the Settings dataclasses, and loading TOML."""

@@ -1,0 +1,1 @@
+"""The HTTP side: the ASGI app, the process runner, our HTTP protocol, serving bytes."""

@@ -1,0 +1,1 @@
+"""Mirror runs: purls and SBOMs to keys to warm."""

@@ -1,0 +1,1 @@
+"""Process plumbing: the I/O and CPU pools, the task group, metrics, logging."""

@@ -1,0 +1,1 @@
+"""Where blob bytes live."""

@@ -1,0 +1,1 @@
+"""Talking to upstreams: the HTTP client with its limits, and the SSRF policy."""
