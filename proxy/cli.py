@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from proxy import __version__
+from proxy.redaction import redact
 
 if TYPE_CHECKING:
     from proxy.config.settings import Settings
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print("configuration errors:", file=sys.stderr)
         for error in exc.errors:
-            print(f"  {error}", file=sys.stderr)
+            print(f"  {redact(error)}", file=sys.stderr)
         return 2
 
     if args.command == "check-config":
@@ -160,7 +161,7 @@ async def _migrate(settings: Settings, quiet: bool = False) -> int:
     try:
         applied = await catalog.migrate()
     except CatalogError as exc:
-        print(f"database.url: cannot prepare the database: {exc}", file=sys.stderr)
+        print(redact(f"database.url: cannot prepare the database: {exc}"), file=sys.stderr)
         return 1
     finally:
         await catalog.close()
@@ -183,7 +184,7 @@ async def _gc(settings: Settings) -> int:
         reclaim = Reclaim(catalog, blobs, SYSTEM_CLOCK, settings.leases.retention_s)
         summary = await reclaim.run()
     except CatalogError as exc:
-        print(f"database.url: {exc}", file=sys.stderr)
+        print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
     finally:
         await catalog.close()
@@ -205,7 +206,7 @@ async def _stats(settings: Settings) -> int:
             size = format_size(usage.bytes) if usage.bytes else "0"
             print(f"{repo.name:<24} {repo.format:<20} {usage.entries:>10} {size:>14}")
     except CatalogError as exc:
-        print(f"database.url: {exc}", file=sys.stderr)
+        print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
     finally:
         await catalog.close()
@@ -247,7 +248,7 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
             for name, purls, sbom_path, versions, repository in runs:
                 await engine.mirrors.run(name, purls, sbom_path, versions, repository, progress)
     except CatalogError as exc:
-        print(f"database.url: {exc}", file=sys.stderr)
+        print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
     finally:
         progress.finish()
@@ -267,7 +268,7 @@ async def _jobs(settings: Settings) -> int:
             scheduled = {job.name: job.interval_s for job in engine.jobs()}
             runs, now_ms = await engine.catalog.job_runs()
     except CatalogError as exc:
-        print(f"database.url: {exc}", file=sys.stderr)
+        print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
     by_name = {run.name: run for run in runs}
     header = ("job", "interval", "last start", "last outcome", "next due", "holder")

@@ -93,8 +93,13 @@ async def test_allow_hosts_by_name_suffix_and_network() -> None:
         await AddressPolicy("r", (), ("10.0.0.0/8",)).vet("http://127.0.0.2/x")
 
 
-def test_credentials_are_dropped_unless_configured() -> None:
+def test_credentials_are_never_in_a_url_and_go_only_to_their_origin() -> None:
     policy = AddressPolicy("r", ("https://user:token@private.example/simple/",))
     assert policy.without_credentials("http://u:p@files.example/a") == "http://files.example/a"
     configured = "https://user:token@private.example/simple/pkg/"
-    assert policy.without_credentials(configured) == configured
+    assert policy.without_credentials(configured) == "https://private.example/simple/pkg/"
+    assert policy.authorization("https://private.example/packages/a.whl") == (
+        "Basic dXNlcjp0b2tlbg=="
+    )
+    assert policy.authorization("http://private.example/packages/a.whl") is None  # scheme
+    assert policy.authorization("https://files.example/a") is None

@@ -63,11 +63,11 @@ from proxy.config.settings import (
     Settings,
     StorageSettings,
     UpstreamSettings,
-    hide_password,
     upstream_env_var,
 )
 from proxy.exceptions import ConfigError
 from proxy.mirror.purls import parse_purl
+from proxy.redaction import redact_url
 
 # Keys the engine adds to every repository whose format proxies an upstream.
 PROXY_REPOSITORY_KEYS: dict[str, OptionType[Any]] = {"retention": Duration(positive=True)}
@@ -538,11 +538,11 @@ class _Parser:
             except ValueError:
                 hostname = None
             if not hostname and "host=" not in value:
-                self.error(key, f"{hide_password(value)!r} has no host")
+                self.error(key, f"{redact_url(value)!r} has no host")
         else:
             self.error(
                 key,
-                f"{hide_password(value)!r}: the scheme must be sqlite:/// or postgresql://",
+                f"{redact_url(value)!r}: the scheme must be sqlite:/// or postgresql://",
             )
 
 

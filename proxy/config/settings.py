@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
-from urllib.parse import urlsplit
 
 from proxy.config.options import Percent, options_of, toml_string
+from proxy.redaction import redact
 from proxy.units import format_duration, format_size
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -159,14 +159,15 @@ class Settings:
         return None
 
     def describe(self) -> str:
-        """The effective settings as TOML (passwords hidden), for ``check-config``."""
+        """The effective settings as TOML, for ``check-config``: redacted as a whole
+        (credentials in URLs, passwords), like everything that leaves the process."""
         lines = [
             f"# effective settings from {self.source}",
             "[server]",
             f"listen = {toml_string(f'{self.host}:{self.port}')}",
             f"workers = {self.workers}",
             "[database]",
-            f"url = {toml_string(hide_password(self.database_url))}",
+            f"url = {toml_string(self.database_url)}",
             "[storage]",
             f"path = {toml_string(str(self.storage_path))}",
             f'min_free = "{format_size(self.storage.min_free)}"',
@@ -221,7 +222,7 @@ class Settings:
             lines.append(f"versions = {toml_string(mirror.versions)}")
             if mirror.repository is not None:
                 lines.append(f"repository = {toml_string(mirror.repository)}")
-        return "\n".join(lines) + "\n"
+        return redact("\n".join(lines)) + "\n"
 
 
 def _render(key: str, rendered: str) -> list[str]:
@@ -233,10 +234,3 @@ def _render(key: str, rendered: str) -> list[str]:
 
 def upstream_env_var(repo_name: str) -> str:
     return "PROXY_UPSTREAM_" + re.sub(r"[^A-Za-z0-9]", "_", repo_name).upper()
-
-
-def hide_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@", 1)
-    return url

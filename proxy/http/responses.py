@@ -28,6 +28,7 @@ from proxy.http.semantics import (
     not_modified_since,
     parse_range,
 )
+from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.storage.blobs import storage_error
@@ -209,10 +210,12 @@ def cache_control(kind: Kind, expires_at_ms: int | None, now_ms: int) -> bytes:
 
 
 def error(status: int, message: str, extra: Mapping[str, str] | None = None) -> BodyResponse:
+    """A plain-text answer; the message is redacted (docs/architecture.md, "Secrets never
+    shown"): it may name an upstream URL, and the upstream's credentials stay ours."""
     headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"cache-control", NEVER_STORE)]
     for name, value in (extra or {}).items():
         headers.append((name.lower().encode(), value.encode("latin-1")))
-    body = (message.rstrip("\n") + "\n").encode()
+    body = (redact(message).rstrip("\n") + "\n").encode()
     headers.append((b"content-length", str(len(body)).encode()))
     return BodyResponse(status, headers, body)
 

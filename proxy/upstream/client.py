@@ -243,6 +243,9 @@ class Upstream:
             request_headers = dict(headers or {})
             if target.host_header is not None:
                 request_headers["Host"] = target.host_header
+            authorization = self.policy.authorization(url)
+            if authorization is not None:
+                request_headers["Authorization"] = authorization
             extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
             try:
                 request = self.pool.client.build_request(

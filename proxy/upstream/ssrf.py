@@ -9,16 +9,19 @@ repository's ``allow_hosts``. The address that is checked is the one we connect 
 names are resolved here and the connection is pinned to the vetted address (the Host
 header and TLS name stay the original), so a name cannot resolve to a public address
 when checked and to an internal one when used. Credentials written into a listed URL
-are never sent.
+are never sent; the credentials of a configured upstream (``https://user:token@host/``)
+go, as an Authorization header, to every URL of that upstream's origin (scheme, host,
+port: an index's files often live beside it, outside its path) and to no other.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import ipaddress
 import socket
 from dataclasses import dataclass
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 from proxy.exceptions import UpstreamUnavailable
 
@@ -92,6 +95,14 @@ class AddressPolicy:
         self.repository = repository
         self.upstreams = upstreams
         self.trusted_origins = {_origin(urlsplit(u)) for u in upstreams}
+        # Origin -> the Authorization value its configured upstream's user info gives.
+        self.credentials: dict[tuple[str, str, int | None], str] = {}
+        for upstream in upstreams:
+            parts = urlsplit(upstream)
+            if parts.username is not None:
+                pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+                token = base64.b64encode(pair.encode()).decode("ascii")
+                self.credentials.setdefault(_origin(parts), f"Basic {token}")
         self.allowed_names: set[str] = set()
         self.allowed_suffixes: list[str] = []
         self.allowed_networks: list[IPNetwork] = []
@@ -105,12 +116,23 @@ class AddressPolicy:
                     self.allowed_names.add(entry.lower())
 
     def without_credentials(self, url: str) -> str:
-        """``url`` minus any ``user:password@``, unless it is one of our own upstreams'."""
+        """``url`` minus any ``user:password@``: user info is never sent as part of a URL
+        (nor shown in a message); ``authorization`` says what an origin gets instead."""
         parts = urlsplit(url)
-        if "@" not in parts.netloc or any(url.startswith(u) for u in self.upstreams):
+        if "@" not in parts.netloc:
             return url
         netloc = parts.netloc.rsplit("@", 1)[1]
         return urlunsplit(parts._replace(netloc=netloc))
+
+    def authorization(self, url: str) -> str | None:
+        """The Authorization value for ``url``: its origin's configured credentials, if
+        one of the repository's upstreams there has some; otherwise None."""
+        if not self.credentials:
+            return None
+        try:
+            return self.credentials.get(_origin(urlsplit(url)))
+        except ValueError:
+            return None
 
     async def vet(self, url: str) -> Target:
         """Check where ``url`` leads; raises ``UpstreamUnavailable`` (502) naming the rule."""
