@@ -47,7 +47,10 @@ def free_port() -> int:
 
 
 class PostgresServer:
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        """``settings``: extra server settings (``-c name=value``), e.g. a preloaded
+        extension for a benchmark."""
+        self.settings = dict(settings or {})
         self.base = Path(tempfile.mkdtemp(prefix="proxy-test-pg-"))
         self.data = self.base / "data"
         self.log = self.base / "server.log"
@@ -79,6 +82,8 @@ class PostgresServer:
             "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
             "-c max_connections=300"
         )
+        for name, value in self.settings.items():
+            options += f" -c {name}={value}"
         self._run(
             find_pg_binary("pg_ctl"), "-D", str(self.data), "-o", options,
             "-l", str(self.log), "-w", "-t", "60", "start",

@@ -25,9 +25,12 @@ class ProxyProcess:
         name: str,
         env: dict[str, str] | None = None,
         workers: int = 1,
+        checkout: Path | None = None,
     ) -> None:
         """``config`` None: the embedded defaults. The runner's own ``PROXY_*`` variables
-        are not passed on: a test's proxy gets only the settings the test gives it."""
+        are not passed on: a test's proxy gets only the settings the test gives it.
+        ``checkout``: run the proxy of another checkout (its ``.venv``), e.g. the commit
+        a benchmark compares with."""
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -36,18 +39,24 @@ class ProxyProcess:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
         self.env = {**inherited, **(env or {})}
         self.workers = workers
+        self.checkout = checkout
         self.process: subprocess.Popen[bytes] | None = None
         self._log_start = 0
 
     def start(self) -> ProxyProcess:
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        argv = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}"]
+        python = (
+            sys.executable if self.checkout is None else str(self.checkout / ".venv/bin/python")
+        )
+        argv = [python, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}"]
         if self.config is not None:
             argv += ["--config", str(self.config)]
         if self.workers != 1:
             argv += ["--workers", str(self.workers)]
         log = self.log_path.open("ab")
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.checkout
+        )
         log.close()
         return self
 
@@ -122,6 +131,7 @@ def start_replicas(
     count: int,
     workers: int = 1,
     env: dict[str, str] | None = None,
+    checkout: Path | None = None,
 ) -> list[ProxyProcess]:
     """Start ``count`` replicas on ``config`` together and wait until each is ready.
     They join ``started`` first, so the caller stops them even if one never gets ready.
@@ -129,7 +139,9 @@ def start_replicas(
     never share a log."""
     first = len(list(log_dir.glob("replica-*.log")))
     new = [
-        ProxyProcess(config, log_dir, f"replica-{first + i}", env=env, workers=workers)
+        ProxyProcess(
+            config, log_dir, f"replica-{first + i}", env=env, workers=workers, checkout=checkout
+        )
         for i in range(count)
     ]
     started += new
