@@ -44,15 +44,17 @@ from proxy.exceptions import (
     ClientError,
     DigestMismatch,
     Forbidden,
+    MethodNotAllowed,
+    NotAcceptable,
     NotConfigured,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
     Unauthorized,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from proxy.http import responses as _responses
 from proxy.types import (
     KNOWN_DIGESTS,
     Digests,
@@ -66,8 +68,6 @@ from proxy.types import (
     Validators,
 )
 
-# Redirects a format answers on its own (e.g. PEP 503 name normalization) never change.
-REDIRECT_MAX_AGE_S = 86400
 # Upstream answers that mean "no such file" (cached as such); anything else that is not
 # a success is an outage, never a 404.
 NOT_FOUND_STATUSES = (404, 410)
@@ -95,8 +95,10 @@ __all__ = [
     "Link",
     "LinkBatch",
     "LinkStore",
+    "MethodNotAllowed",
     "MirrorAdapter",
     "MirrorVersions",
+    "NotAcceptable",
     "NotConfigured",
     "NotFound",
     "OptionType",
@@ -109,7 +111,9 @@ __all__ = [
     "RepositoryCache",
     "RepositorySettings",
     "Request",
+    "RequestTimeout",
     "Response",
+    "Responses",
     "Size",
     "Status",
     "Text",
@@ -122,11 +126,7 @@ __all__ = [
     "Urls",
     "Validators",
     "WarmResult",
-    "empty_response",
-    "error_response",
-    "inline_response",
     "option",
-    "redirect",
     "toml_key",
 ]
 
@@ -163,8 +163,8 @@ class Request:
                 async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):
                     message = await self.receive()
             except TimeoutError:
-                raise ClientError(
-                    f"the request body stalled for {BODY_IDLE_TIMEOUT_S:.0f} s", status=408
+                raise RequestTimeout(
+                    f"the request body stalled for {BODY_IDLE_TIMEOUT_S:.0f} s"
                 ) from None
             if message["type"] == "http.disconnect":
                 raise BadRequest("the client went away before the body was complete")
@@ -175,37 +175,23 @@ class Request:
                 return
 
 
-def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
-    """A plain-text answer with a one-line reason (never cacheable)."""
-    return _responses.error(status, message, headers)
+class Responses(Protocol):
+    """The answers a format builds itself (the engine implements them; see
+    ``FormatContext.responses``). Errors are not among them: a format raises
+    (``NotFound``, ``BadRequest``...) and the engine decides the answer."""
 
+    def redirect(self, location: str, status: int = 301) -> Response:
+        """A redirect that holds whatever the upstream does (a name normalized, a slash
+        added), so shared caches may keep it (docs/architecture.md, "Caching by others")."""
+        ...
 
-def redirect(location: str, status: int = 301, max_age_s: int = REDIRECT_MAX_AGE_S) -> Response:
-    """A redirect that holds whatever the upstream does (a name normalized, a slash
-    added), so shared caches may keep it for ``max_age_s`` (docs/architecture.md,
-    "Caching by others")."""
-    headers = [
-        (b"location", location.encode()),
-        (b"content-length", b"0"),
-        (b"cache-control", f"public, max-age={max_age_s}".encode()),
-    ]
-    return _responses.BodyResponse(status, headers, b"")
+    def empty(self, status: int, headers: Mapping[str, str] | None = None) -> Response:
+        """A body-less answer (201 after an upload, 200 to a HEAD probe), kept by no cache."""
+        ...
 
-
-def empty_response(status: int, headers: Mapping[str, str] | None = None) -> Response:
-    """A body-less answer (201 after an upload, 200 to a HEAD probe), kept by no cache."""
-    given = {k.lower(): v for k, v in (headers or {}).items()}
-    given.setdefault("content-length", "0")
-    given.setdefault("cache-control", "no-store")
-    encoded = [(k.encode(), v.encode("latin-1")) for k, v in given.items()]
-    return _responses.BodyResponse(status, encoded, b"")
-
-
-def inline_response(request: Request, body: bytes, content_type: str) -> Response:
-    """A small computed body (e.g. a checksum file), with ETag/304 and HEAD."""
-    return _responses.inline(
-        request.headers, request.method, body, content_type, {}, request.repository
-    )
+    def inline(self, request: Request, body: bytes, content_type: str) -> Response:
+        """A small computed body (e.g. a checksum file), with ETag/304 and HEAD."""
+        ...
 
 
 # -- upstreams ----------------------------------------------------------------------------
@@ -440,12 +426,14 @@ class MirrorAdapter(Adapter, Protocol):
 class FormatContext:
     """What the engine hands a format when it builds one repository's adapter.
 
-    ``compute(fn, *args)`` runs CPU-heavy work off the event loop (as in OriginContext).
+    ``compute(fn, *args)`` runs CPU-heavy work off the event loop (as in OriginContext);
+    ``responses`` builds the answers that are not errors (errors are raised).
     """
 
     cache: RepositoryCache
     upstream: UpstreamClient
     compute: Callable[..., Awaitable[Any]]
+    responses: Responses
 
 
 @dataclass(frozen=True)

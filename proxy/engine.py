@@ -28,7 +28,7 @@ from proxy.contract import Adapter, FormatContext, MirrorAdapter, RepositoryCach
 from proxy.exceptions import CatalogError
 from proxy.fetch.fetcher import Fetcher
 from proxy.fetch.leases import LeaseCoordinator, make_holder_id
-from proxy.http.responses import HotBlobs
+from proxy.http.responses import FormatResponses, HotBlobs
 from proxy.jobs import Job, Scheduler, standard_jobs
 from proxy.mirror.runner import Mirrors
 from proxy.runtime import metrics
@@ -127,7 +127,12 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
                 upstream = pool.for_repository(repo.name, repo.upstreams, repo.allow_hosts)
                 view = cache.for_repository(repo.name, repo.format, upstream, cpu)
                 views[repo.name] = view
-                context = FormatContext(cache=view, upstream=upstream, compute=cpu.run)
+                context = FormatContext(
+                    cache=view,
+                    upstream=upstream,
+                    compute=cpu.run,
+                    responses=FormatResponses(repo.name),
+                )
                 adapters[repo.name] = plugin.build(repo, context)
                 if plugin.purl_types and hasattr(adapters[repo.name], "mirror"):
                     mirrorable[repo.name] = cast(MirrorAdapter, adapters[repo.name])

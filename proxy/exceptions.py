@@ -4,9 +4,12 @@
     ├── ConfigError            a setting is bad; lists every bad key
     ├── ClientError            the request is bad (4xx); carries the status
     │   ├── NotFound           404: confirmed missing upstream, or never listed
-    │   ├── Unauthorized       401 (with a Basic challenge) / Forbidden 403
+    │   ├── Unauthorized       401 (with the format's challenge) / Forbidden 403
+    │   ├── MethodNotAllowed   405 (with Allow)
+    │   ├── NotAcceptable      406: no representation the Accept header takes
+    │   ├── RequestTimeout     408: a request body that stalled
     │   ├── PayloadTooLarge    413: over a repository's max_entry_size
-    │   └── BadRequest         400 (and 406/414/431 via ``status``)
+    │   └── BadRequest         400 (and 414/431 via ``status``)
     ├── NotConfigured          503: the repository has no upstream URL
     ├── ShuttingDown           503: the process is stopping
     ├── UpstreamError          the upstream failed (5xx/timeout/connection/protocol)
@@ -44,6 +47,11 @@ class ClientError(ProxyError):
         if status is not None:
             self.status = status
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers the answer needs (an Allow, a challenge)."""
+        return {}
+
 
 class BadRequest(ClientError):
     status = 400
@@ -56,9 +64,43 @@ class NotFound(ClientError):
 class Unauthorized(ClientError):
     status = 401
 
+    def __init__(self, message: str, challenge: str | None = None) -> None:
+        super().__init__(message)
+        self.challenge = challenge  # the WWW-Authenticate value, e.g. 'Basic realm="x"'
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": self.challenge} if self.challenge else {}
+
 
 class Forbidden(ClientError):
     status = 403
+
+
+class MethodNotAllowed(ClientError):
+    status = 405
+
+    def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"allow": ", ".join(self.allowed)}
+
+
+class NotAcceptable(ClientError):
+    """406: no representation the client accepts (content negotiation by Accept)."""
+
+    status = 406
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"vary": "Accept"}
+
+
+class RequestTimeout(ClientError):
+    status = 408
 
 
 class PayloadTooLarge(ClientError):

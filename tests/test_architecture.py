@@ -1,12 +1,17 @@
-"""The seams of docs/architecture.md, checked on the source: formats import only the
-contract, the engine never imports a format, both SQL dialects name the same
-statements, and every registered format is a complete plugin."""
+"""The architecture of docs/architecture.md, checked on the source: the layer table
+(read from the document itself, so the rule is written once), the module map, the
+runtime import closure of the contract and of every format, and the SQL dialects."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import re
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,56 +21,316 @@ from proxy.catalog import queries
 from proxy.config.options import options_of
 from proxy.contract import FormatPlugin
 
-PROXY = Path(__file__).resolve().parent.parent / "proxy"
-# The composition root: the only modules that look formats up in the registry.
-REGISTRY_USERS = {"proxy.engine", "proxy.config.load", "proxy.formats"}
-# Modules of a format that are its own helpers, not formats (pure parsing, no engine).
-FORMAT_HELPERS = {"proxy.formats.simple_index"}
+ROOT = Path(__file__).resolve().parent.parent
+PROXY = ROOT / "proxy"
+DOC = ROOT / "docs" / "architecture.md"
+# Third-party packages of the engine: none may be loaded by `import proxy.contract`.
+ENGINE_LIBRARIES = ("uvicorn", "starlette", "prometheus_client", "httpx", "httpcore", "asyncpg")
+# Layers whose modules `import proxy.contract` (and a format: its package is the
+# registry, which imports only the contract) may load.
+CONTRACT_CLOSURE_LAYERS = {"foundation", "config vocabulary", "contract", "formats", "registry"}
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PROXY.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+# -- the layer table -------------------------------------------------------------------
 
 
-def _proxy_imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("proxy"):
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("proxy"))
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    modules: frozenset[str]  # exact names, or "pkg.*" for the modules inside pkg
+    may_import: frozenset[str]  # layer names (its own layer is always allowed)
+
+
+def read_layers(text: str) -> list[Layer]:
+    """The rows of the table under "## Layers"."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    layers = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in ("layer", "") or set(cells[0]) <= {"-"}:
+            continue
+        modules = frozenset(re.findall(r"`([^`]+)`", cells[1]))
+        allowed = frozenset(n.strip() for n in cells[2].split(",") if n.strip())
+        layers.append(Layer(cells[0], modules, allowed))
+    return layers
+
+
+def layer_of(module: str, layers: list[Layer]) -> Layer | None:
+    """The layer that names ``module`` exactly, else the one whose ``pkg.*`` is the
+    longest package prefix of it."""
+    for layer in layers:
+        if module in layer.modules:
+            return layer
+    best: tuple[int, Layer] | None = None
+    for layer in layers:
+        for pattern in layer.modules:
+            prefix = pattern.endswith(".*") and module.startswith(pattern[:-1])
+            if prefix and (best is None or len(pattern) > best[0]):
+                best = (len(pattern), layer)
+    return best[1] if best else None
+
+
+# -- imports, read from the source -------------------------------------------------------
+
+
+def imports_in(source: str, module: str, known: set[str], is_package: bool = False) -> set[str]:
+    """Every module of the package that ``source`` imports: at the top, in functions, in
+    ``if TYPE_CHECKING:`` blocks (ast.walk sees them all). ``from a import b`` imports
+    ``a.b`` when that is a module, else ``a``; relative imports are resolved."""
+    found: set[str] = set()
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "proxy")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base.split(".")[0] != "proxy":
+                continue
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in known else base)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and node.args[0].value.startswith("proxy")
+        ):
+            found.add(node.args[0].value)
+    found.discard(module)
     return found
 
 
-MODULES = {_module_name(p): p for p in PROXY.rglob("*.py")}
+def violations(graph: Mapping[str, set[str]], layers: list[Layer]) -> list[str]:
+    """What breaks the layer order in ``graph`` (module -> modules it imports)."""
+    by_name = {layer.name: layer for layer in layers}
+    problems = []
+    for module in sorted(graph):
+        own = layer_of(module, layers)
+        if own is None:
+            problems.append(f"{module} is in no layer of docs/architecture.md")
+            continue
+        for target in sorted(graph[module]):
+            theirs = layer_of(target, layers)
+            if theirs is None:
+                problems.append(f"{module} imports {target}, which is in no layer")
+            elif theirs.name != own.name and theirs.name not in own.may_import:
+                problems.append(
+                    f"{module} ({own.name}) imports {target} ({theirs.name}): "
+                    f"the {own.name} layer may import only "
+                    f"{', '.join(sorted(own.may_import)) or 'itself'}"
+                )
+    for layer in layers:
+        unknown = layer.may_import - by_name.keys()
+        if unknown:
+            problems.append(f"layer {layer.name} names unknown layers {sorted(unknown)}")
+    return problems
 
 
-@pytest.mark.parametrize(
-    "module",
-    sorted(m for m in MODULES if m.startswith("proxy.formats.") and m not in FORMAT_HELPERS),
-)
-def test_a_format_imports_only_the_contract(module: str) -> None:
-    imports = _proxy_imports(MODULES[module])
-    allowed = {"proxy.contract", "proxy.formats"} | FORMAT_HELPERS
-    outside = {i for i in imports if not any(i == a or i.startswith(a + ".") for a in allowed)}
-    assert not outside, f"{module} reaches past the contract: {sorted(outside)}"
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("module", sorted(FORMAT_HELPERS))
-def test_format_helpers_use_the_contract_at_most(module: str) -> None:
-    outside = {i for i in _proxy_imports(MODULES[module]) if not i.startswith("proxy.contract")}
-    assert not outside, f"{module} must not import the proxy beyond the contract: {outside}"
+SOURCES = {module_name(p): p for p in PROXY.rglob("*.py")}
+LAYERS = read_layers(DOC.read_text())
 
 
-@pytest.mark.parametrize(
-    "module",
-    sorted(m for m in MODULES if not m.startswith("proxy.formats") and m not in REGISTRY_USERS),
-)
-def test_the_engine_never_imports_a_format(module: str) -> None:
-    imports = _proxy_imports(MODULES[module])
-    assert not any(i.startswith("proxy.formats") for i in imports), module
+def package_graph() -> dict[str, set[str]]:
+    known = set(SOURCES)
+    return {
+        name: imports_in(path.read_text(), name, known, path.name == "__init__.py")
+        for name, path in SOURCES.items()
+    }
+
+
+def test_every_module_is_in_exactly_one_layer() -> None:
+    assert LAYERS, "docs/architecture.md has no layer table under '## Layers'"
+    for name in SOURCES:
+        exact = [layer.name for layer in LAYERS if name in layer.modules]
+        assert len(exact) <= 1, f"{name} is named by several layers: {exact}"
+        assert layer_of(name, LAYERS) is not None, f"{name} is in no layer"
+    named = {m for layer in LAYERS for m in layer.modules if not m.endswith(".*")}
+    assert named <= set(SOURCES), (
+        f"the table names modules that do not exist: {named - set(SOURCES)}"
+    )
+
+
+def test_every_import_follows_the_layer_order() -> None:
+    assert violations(package_graph(), LAYERS) == []
+
+
+def test_nothing_in_the_package_imports_the_test_seams() -> None:
+    # proxy.testing is for tests (and format authors' tests); no layer lists it.
+    for module, imported in package_graph().items():
+        assert "proxy.testing" not in imported or module == "proxy.testing", module
+
+
+# -- the checker itself, on synthetic modules ---------------------------------------------
+
+
+def synthetic(sources: dict[str, str]) -> list[str]:
+    known = set(SOURCES) | set(sources)
+    graph = {name: imports_in(text, name, known) for name, text in sources.items()}
+    return violations(graph, LAYERS)
+
+
+def test_the_checker_refuses_the_contract_importing_the_engine() -> None:
+    found = synthetic({"proxy.contract": "from proxy.http import responses\n"})
+    assert found == [
+        "proxy.contract (contract) imports proxy.http.responses (transfer): the contract "
+        "layer may import only config vocabulary, foundation"
+    ]
+
+
+def test_the_checker_sees_imports_in_functions_and_type_checking_blocks() -> None:
+    found = synthetic(
+        {
+            "proxy.catalog.base": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from proxy.cache import Cache\n"
+            ),
+            "proxy.storage.blobs": "def f():\n    import proxy.engine\n",
+        }
+    )
+    assert [line.split(":")[0] for line in found] == [
+        "proxy.catalog.base (backends) imports proxy.cache (services)",
+        "proxy.storage.blobs (backends) imports proxy.engine (composition root)",
+    ]
+
+
+def test_the_checker_refuses_a_format_reaching_past_the_contract() -> None:
+    found = synthetic(
+        {
+            "proxy.formats.npm": "from proxy.exceptions import NotFound\n",
+            "proxy.formats.pypi": "from proxy.formats import simple_index\n",
+        }
+    )
+    assert len(found) == 1 and found[0].startswith(
+        "proxy.formats.npm (formats) imports proxy.exceptions (foundation)"
+    )
+
+
+def test_the_checker_refuses_the_engine_importing_a_format() -> None:
+    found = synthetic(
+        {
+            "proxy.engine": "from proxy import formats\nfrom proxy.formats import maven\n",
+            "proxy.cache": "from proxy import formats\n",
+        }
+    )
+    assert [line.split(":")[0] for line in found] == [
+        "proxy.cache (services) imports proxy.formats (registry)",
+        "proxy.engine (composition root) imports proxy.formats.maven (formats)",
+    ]
+
+
+def test_the_checker_resolves_relative_imports_and_import_module() -> None:
+    found = synthetic(
+        {
+            "proxy.runtime.tasks": "from ..catalog import Catalog\n",
+            "proxy.jobs.sweep": "import importlib\nimportlib.import_module('proxy.cli')\n",
+        }
+    )
+    assert [line.split(":")[0] for line in found] == [
+        "proxy.jobs.sweep (services) imports proxy.cli (entry points)",
+        "proxy.runtime.tasks (runtime) imports proxy.catalog (backends)",
+    ]
+
+
+def test_the_checker_reports_a_module_of_no_layer() -> None:
+    assert synthetic({"proxy.stray": ""}) == ["proxy.stray is in no layer of docs/architecture.md"]
+
+
+# -- what an import really loads ------------------------------------------------------------
+
+
+def loaded_by(statement: str) -> list[str]:
+    """``sys.modules`` after ``statement`` in a fresh interpreter."""
+    code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    loaded: list[str] = json.loads(result.stdout)
+    return loaded
+
+
+def _outside_the_contract(loaded: list[str]) -> list[str]:
+    engine = []
+    for name in loaded:
+        if name.split(".")[0] in ENGINE_LIBRARIES:
+            engine.append(name)
+        elif name.split(".")[0] == "proxy":
+            layer = layer_of(name, LAYERS)
+            if layer is None or layer.name not in CONTRACT_CLOSURE_LAYERS:
+                engine.append(name)
+    return engine
+
+
+def test_importing_the_contract_loads_nothing_of_the_engine() -> None:
+    loaded = loaded_by("import proxy.contract")
+    assert "proxy.contract" in loaded
+    assert _outside_the_contract(loaded) == []
+    assert not any(name.startswith("proxy.formats") for name in loaded)
+
+
+def test_importing_every_format_loads_nothing_of_the_engine() -> None:
+    statement = "\n".join(f"import {module}" for module in sorted(formats.REGISTRY.values()))
+    loaded = loaded_by(statement)
+    assert set(formats.REGISTRY.values()) <= set(loaded)
+    assert _outside_the_contract(loaded) == []
+
+
+# -- the module map ----------------------------------------------------------------------
+
+
+def mapped_files(text: str) -> set[str]:
+    """The files the "## Module map" block lists, as paths (``proxy/http/app.py``)."""
+    block = text.split("\n## Module map\n", 1)[1].split("```", 2)[1]
+    entry = re.compile(r"^( *)([A-Za-z0-9_]+(?:\.py|/))(?:\s{2,}|$)")
+    stack: list[tuple[int, str]] = []
+    files = set()
+    for line in block.splitlines():
+        match = entry.match(line)
+        if match is None or len(match.group(1)) > 12:
+            continue  # a description's continuation
+        indent, name = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "".join(part for _, part in stack) + name
+        if name.endswith("/"):
+            stack.append((indent, name))
+        else:
+            files.add(path)
+    return files
+
+
+def _files_with_code() -> Iterator[str]:
+    """Every module but the package files that hold only a docstring."""
+    for path in PROXY.rglob("*.py"):
+        body = ast.parse(path.read_text()).body
+        only_docstring = len(body) <= 1 and all(
+            isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body
+        )
+        if path.name == "__init__.py" and only_docstring:
+            continue
+        yield str(path.relative_to(ROOT))
+
+
+def test_the_module_map_lists_every_module_and_no_other() -> None:
+    listed = mapped_files(DOC.read_text())
+    on_disk = set(_files_with_code())
+    assert sorted(on_disk - listed) == [], "modules missing from the module map"
+    assert sorted(listed - on_disk) == [], "the module map lists files that do not exist"
+
+
+# -- formats and SQL --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", sorted(formats.REGISTRY))

@@ -23,6 +23,7 @@ from proxy.contract import (
     Forbidden,
     FormatContext,
     FormatPlugin,
+    MethodNotAllowed,
     OptionalSize,
     PayloadTooLarge,
     Reporter,
@@ -31,8 +32,6 @@ from proxy.contract import (
     Response,
     Size,
     Unauthorized,
-    empty_response,
-    error_response,
     option,
     toml_key,
 )
@@ -112,15 +111,15 @@ class BuildCacheRepository:
         self.options = settings.options
         self.name = settings.name
         self.cache = ctx.cache
+        self.responses = ctx.responses
         self.users = {user.name: user for user in self.options.users}
-        self.challenge = {"www-authenticate": f'Basic realm="{self.name}", charset="UTF-8"'}
+        self.challenge = f'Basic realm="{self.name}", charset="UTF-8"'
 
     async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD", "PUT"):
-            return error_response(
-                405,
+            raise MethodNotAllowed(
                 f"{request.method} is not allowed; use GET, HEAD or PUT",
-                {"allow": "GET, HEAD, PUT"},
+                allowed=("GET", "HEAD", "PUT"),
             )
         key = request.path
         if not _KEY_RE.match(key):
@@ -130,14 +129,14 @@ class BuildCacheRepository:
             )
         try:
             self._authorize(request, "write" if request.method == "PUT" else "read")
-        except Unauthorized as exc:
+        except Unauthorized:
             if request.method == "PUT":
                 self.cache.count_upload("unauthorized")
-            return error_response(401, str(exc), self.challenge)
-        except Forbidden as exc:
+            raise
+        except Forbidden:
             if request.method == "PUT":
                 self.cache.count_upload("forbidden")
-            return error_response(403, str(exc))
+            raise
         if request.method == "PUT":
             return await self._put(request, key)
         return await self.cache.serve_upload(key, request, CONTENT_TYPE)
@@ -147,21 +146,23 @@ class BuildCacheRepository:
         if header is None:
             if _ROLE_RANK[self.options.anonymous] >= _ROLE_RANK[needed]:
                 return
-            raise Unauthorized(f"{needed} access to {self.name!r} needs credentials")
+            raise Unauthorized(
+                f"{needed} access to {self.name!r} needs credentials", self.challenge
+            )
         scheme, _, encoded = header.partition(" ")
         if scheme.lower() != "basic":
-            raise Unauthorized("only Basic authentication is supported")
+            raise Unauthorized("only Basic authentication is supported", self.challenge)
         try:
             user_name, sep, password = (
                 base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
             )
         except (binascii.Error, ValueError):  # incl. UnicodeDecodeError, non-ASCII input
-            raise Unauthorized("malformed Basic credentials") from None
+            raise Unauthorized("malformed Basic credentials", self.challenge) from None
         user = self.users.get(user_name)
         # Compare even for unknown users, so timing does not reveal which names exist.
         expected = user.password if user is not None else "\x00"
         if not sep or not hmac.compare_digest(password.encode(), expected.encode()) or user is None:
-            raise Unauthorized("wrong user name or password")
+            raise Unauthorized("wrong user name or password", self.challenge)
         if _ROLE_RANK[user.role] < _ROLE_RANK[needed]:
             raise Forbidden(f"user {user_name!r} may only read from {self.name!r}")
 
@@ -175,15 +176,12 @@ class BuildCacheRepository:
                 self.cache.count_upload("too_large")
                 # Decided before any body byte is read: with Expect: 100-continue the
                 # client never sends it.
-                return error_response(
-                    413, f"{key}: {declared} bytes is over this cache's {limit}-byte entry limit"
+                raise PayloadTooLarge(
+                    f"{key}: {declared} bytes is over this cache's {limit}-byte entry limit"
                 )
         content_type = request.headers.get("content-type") or CONTENT_TYPE
-        try:
-            await self.cache.store_upload(key, request.body(), limit, content_type)
-        except PayloadTooLarge as exc:
-            return error_response(413, str(exc))
-        return empty_response(201)
+        await self.cache.store_upload(key, request.body(), limit, content_type)
+        return self.responses.empty(201)
 
 
 FORMAT = FormatPlugin(

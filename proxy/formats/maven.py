@@ -35,6 +35,7 @@ from proxy.contract import (
     FormatPlugin,
     Hosts,
     Kind,
+    MethodNotAllowed,
     MirrorVersions,
     NotFound,
     OriginContext,
@@ -50,9 +51,6 @@ from proxy.contract import (
     UpstreamUnavailable,
     Urls,
     Validators,
-    empty_response,
-    error_response,
-    inline_response,
     option,
 )
 
@@ -158,14 +156,14 @@ class MavenRepository:
         self.name = settings.name
         self.cache = ctx.cache
         self.upstream = ctx.upstream
+        self.responses = ctx.responses
 
     async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
-            return error_response(
-                405,
+            raise MethodNotAllowed(
                 f"{request.method} is not allowed: this is a read-only proxy of upstream "
                 "Maven repositories (deploy to your repository manager instead)",
-                {"allow": "GET, HEAD"},
+                allowed=("GET", "HEAD"),
             )
         if request.path == PREFIXES_FILE:
             if len(self.options.upstream) > 1:
@@ -240,7 +238,8 @@ class MavenRepository:
         digests = await self.cache.served_digests(spec)
         if algorithm not in digests:
             raise UpstreamUnavailable(f"{spec.key}: checksum not available yet; retry", status=503)
-        return inline_response(request, digests[algorithm].encode(), "text/plain; charset=utf-8")
+        body = digests[algorithm].encode()
+        return self.responses.inline(request, body, "text/plain; charset=utf-8")
 
     async def _probe(self, maven_path: MavenPath) -> Response | None:
         """HEAD on a miss: ask the upstreams with HEAD instead of downloading the body.
@@ -266,7 +265,7 @@ class MavenRepository:
                         "content-type": _content_type(maven_path.path, response),
                         "content-length": str(response.length),
                     }
-                    return empty_response(200, headers)
+                    return self.responses.empty(200, headers)
             except UpstreamError as exc:
                 errors.append(exc)
         if errors:

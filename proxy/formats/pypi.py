@@ -34,7 +34,9 @@ from proxy.contract import (
     Kind,
     Link,
     LinkBatch,
+    MethodNotAllowed,
     MirrorVersions,
+    NotAcceptable,
     NotFound,
     OriginContext,
     PackageRef,
@@ -47,9 +49,7 @@ from proxy.contract import (
     UpstreamUnavailable,
     Urls,
     Validators,
-    error_response,
     option,
-    redirect,
 )
 from proxy.formats import simple_index as si
 
@@ -75,20 +75,19 @@ class PypiRepository:
         self.name = settings.name
         self.cache = ctx.cache
         self.compute = ctx.compute
+        self.responses = ctx.responses
         # The engine answers 503 for a repository without an upstream, before we are asked.
         self.index_url = self.options.upstream[0] if self.options.upstream else ""
 
     async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
-            return error_response(
-                405,
-                f"{request.method} is not allowed here; use GET or HEAD",
-                {"allow": "GET, HEAD"},
+            raise MethodNotAllowed(
+                f"{request.method} is not allowed here; use GET or HEAD", allowed=("GET", "HEAD")
             )
         parts = request.path.split("/")
         if parts[0] == "simple":
             if len(parts) == 1:
-                return redirect(f"{request.base_path}simple/")
+                return self.responses.redirect(f"{request.base_path}simple/")
             if len(parts) == 2 and parts[1] == "":
                 return await self._index(request, None)
             if len(parts) in (2, 3) and (len(parts) == 2 or parts[2] == ""):
@@ -107,17 +106,15 @@ class PypiRepository:
             raise BadRequest(f"{name!r} is not a valid project name (PEP 508)")
         project = si.normalize(name)
         if project != name or not trailing_slash:
-            return redirect(f"{request.base_path}simple/{project}/")
+            return self.responses.redirect(f"{request.base_path}simple/{project}/")
         return await self._index(request, project)
 
     async def _index(self, request: Request, project: str | None) -> Response:
         chosen = si.negotiate(request.headers.get("accept"))
         if chosen is None:
-            return error_response(
-                406,
+            raise NotAcceptable(
                 f"no acceptable representation; this index serves {si.JSON_V1}, "
-                f"{si.HTML_V1} and text/html",
-                {"vary": "Accept"},
+                f"{si.HTML_V1} and text/html"
             )
         representation, content_type = chosen
         spec = self.index_spec(project, representation)

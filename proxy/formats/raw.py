@@ -26,6 +26,7 @@ from proxy.contract import (
     Globs,
     Hosts,
     Kind,
+    MethodNotAllowed,
     NotFound,
     OriginContext,
     RepositorySettings,
@@ -35,7 +36,6 @@ from proxy.contract import (
     UpstreamUnavailable,
     Urls,
     Validators,
-    error_response,
     option,
 )
 
@@ -68,8 +68,8 @@ class RawRepository:
 
     async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
-            return error_response(
-                405, f"{request.method} is not allowed; use GET or HEAD", {"allow": "GET, HEAD"}
+            raise MethodNotAllowed(
+                f"{request.method} is not allowed; use GET or HEAD", allowed=("GET", "HEAD")
             )
         path = request.path
         if not path or path.endswith("/"):

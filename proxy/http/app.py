@@ -169,7 +169,7 @@ class Dispatcher:
 def _error_response(exc: ProxyError) -> ASGIResponse:
     retry_later = {"retry-after": retry_after_header(None)}
     if isinstance(exc, ClientError):
-        return responses.error(exc.status, str(exc))
+        return responses.error(exc.status, str(exc), exc.headers)
     if isinstance(exc, UpstreamUnavailable):
         extra = {}
         if exc.status == 503:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from proxy.catalog import Entry
+from proxy.contract import Request
 from proxy.fetch.download import SEND_CHUNK_BYTES
 from proxy.fetch.transfer import Transfer
 from proxy.http.protocol import SENDFILE_EXTENSION, SocketFileSender
@@ -38,6 +39,8 @@ log = logging.getLogger("proxy.responses")
 
 HOT_MAX_BLOB_BYTES = 256 * 1024  # blobs up to this size are kept in memory
 HOT_CAPACITY_BYTES = 64 * 1024 * 1024
+# Redirects a format answers on its own (e.g. PEP 503 name normalization) never change.
+REDIRECT_MAX_AGE_S = 86400
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -218,6 +221,33 @@ def error(status: int, message: str, extra: Mapping[str, str] | None = None) -> 
     body = (redact(message).rstrip("\n") + "\n").encode()
     headers.append((b"content-length", str(len(body)).encode()))
     return BodyResponse(status, headers, body)
+
+
+class FormatResponses:
+    """``contract.Responses`` of one repository: the answers its format builds itself
+    (bytes served are counted under the repository's name)."""
+
+    def __init__(self, repository: str) -> None:
+        self.repository = repository
+
+    def redirect(self, location: str, status: int = 301) -> BodyResponse:
+        # Shared caches may keep it (docs/architecture.md, "Caching by others").
+        headers = [
+            (b"location", location.encode()),
+            (b"content-length", b"0"),
+            (b"cache-control", b"public, max-age=%d" % REDIRECT_MAX_AGE_S),
+        ]
+        return BodyResponse(status, headers, b"", self.repository)
+
+    def empty(self, status: int, headers: Mapping[str, str] | None = None) -> BodyResponse:
+        given = {k.lower(): v for k, v in (headers or {}).items()}
+        given.setdefault("content-length", "0")
+        given.setdefault("cache-control", "no-store")
+        encoded = [(k.encode(), v.encode("latin-1")) for k, v in given.items()]
+        return BodyResponse(status, encoded, b"", self.repository)
+
+    def inline(self, request: Request, body: bytes, content_type: str) -> BodyResponse:
+        return inline(request.headers, request.method, body, content_type, {}, self.repository)
 
 
 def inline(
