@@ -672,3 +672,71 @@ def test_a_body_of_known_length_waits_for_its_whole_share_of_the_budget(
             await pool.aclose()
 
     asyncio.run(scenario())
+
+
+# -- Content-Encoding: bodies are stored as sent -----------------------------------------------
+
+
+def test_a_body_with_content_encoding_is_stored_as_sent_never_decoded(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    # A decompression bomb: 100 MiB of zeros in about 100 KB, served as a ".tar.gz" with
+    # "Content-Encoding: gzip" (what a misconfigured server does to compressed files).
+    import gzip
+
+    bomb = gzip.compress(b"\0" * (100 * 1024 * 1024), compresslevel=9)
+    assert len(bomb) < 200_000
+    evil.routes["/tool-1.0.tar.gz"] = hostile.ok(
+        bomb, b"application/x-gzip", [(b"content-encoding", b"gzip")]
+    )
+    proxy = proxy_for(tmp_path, start_proxy, raw_repo("tools", evil.base_url))
+    for _ in range(2):  # the miss, then the hit
+        got = httpx.get(proxy.url + "/tools/tool-1.0.tar.gz", timeout=30)
+        assert got.status_code == 200
+        assert "content-encoding" not in got.headers  # the tarball itself, not a coding of it
+        assert got.content == bomb and got.headers["content-length"] == str(len(bomb))
+    assert evil.requests["/tool-1.0.tar.gz"] == 1
+    stored = sum(p.stat().st_size for p in (tmp_path / "data" / "blobs").rglob("*") if p.is_file())
+    assert stored == len(bomb)
+
+
+def test_a_pypi_file_with_content_encoding_verifies_against_the_bytes_sent(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    import gzip
+
+    sdist = gzip.compress(b"not really a tarball" * 500)
+    digest = hashlib.sha256(sdist).hexdigest()
+    page = (
+        f'<a href="{evil.base_url}/files/pkg-1.0.tar.gz#sha256={digest}">pkg-1.0.tar.gz</a>'
+    ).encode()
+    # The index page is gzip-encoded too (against our Accept-Encoding: identity): a
+    # document we parse is decoded, within the index size limit.
+    evil.routes["/simple/pkg/"] = hostile.ok(
+        gzip.compress(page), b"text/html", [(b"content-encoding", b"gzip")]
+    )
+    evil.routes["/files/pkg-1.0.tar.gz"] = hostile.ok(
+        sdist, b"application/x-tar", [(b"content-encoding", b"gzip")]
+    )
+    body = pypi_config(tmp_path / "data", evil.base_url)  # files on the upstream's origin
+    proxy = start_proxy(load(write_config(tmp_path, body), {}))
+    listing = httpx.get(proxy.url + "/pypi/simple/pkg/", timeout=30)
+    assert listing.status_code == 200 and "pkg-1.0.tar.gz" in listing.text
+    got = httpx.get(proxy.url + "/pypi/files/pkg/pkg-1.0.tar.gz", timeout=30)
+    assert got.status_code == 200, got.text
+    assert hashlib.sha256(got.content).hexdigest() == digest
+
+
+def test_an_encoded_page_that_decodes_past_the_limit_is_refused(
+    tmp_path: Path, start_proxy: ProxyFactory, evil: HostileUpstream
+) -> None:
+    import gzip
+
+    evil.routes["/simple/pkg/"] = hostile.ok(
+        gzip.compress(b"<a>" + b" " * (3 * 1024 * 1024)), b"text/html",
+        [(b"content-encoding", b"gzip")],
+    )  # fmt: skip
+    body = pypi_config(tmp_path / "data", evil.base_url, repo_extra='max_index_size = "1MiB"')
+    proxy = start_proxy(load(write_config(tmp_path, body), {}))
+    got = httpx.get(proxy.url + "/pypi/simple/pkg/", timeout=30)
+    assert got.status_code == 502 and "decodes to more than" in got.text

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import random
 import time
+import zlib
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from urllib.parse import urljoin, urlsplit
@@ -43,6 +44,7 @@ from proxy.contract import UpstreamResponse
 from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.http.semantics import RETRY_AFTER_DEFAULT_S, header_value_ok, parse_retry_after
 from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
 from proxy.units import format_duration, format_size
 from proxy.upstream.ssrf import AddressPolicy
 
@@ -366,7 +368,11 @@ class UpstreamAnswer:
         window_s = settings.min_rate_window_s
         window_start = time.monotonic()
         window_bytes = 0
-        chunks = self._response.aiter_bytes()
+        # As sent: a Content-Encoding is never undone here. A ".tar.gz" served with
+        # "Content-Encoding: gzip" is the tarball, and its digests are of these bytes; a
+        # decoded body could be a thousand times larger (docs/architecture.md, "Upstream
+        # safety").
+        chunks = self._response.aiter_raw()
         while True:
             try:
                 async with asyncio.timeout_at(_loop_deadline(self._deadline)):
@@ -438,15 +444,27 @@ class UpstreamAnswer:
                         f"upstream body for {self._url} exceeds the {format_size(limit)} limit"
                     )
                 if expected is None:
-                    more = len(chunk) * BUDGET_BYTES_PER_BODY_BYTE
-                    more = min(more, budget.capacity - self._held)
-                    await budget.take(more, wait_s)
-                    self._held += more
+                    await self._hold(len(chunk) * BUDGET_BYTES_PER_BODY_BYTE, wait_s)
                 chunks.append(chunk)
+            body = b"".join(chunks)
+            encoding = self._response.headers.get("content-encoding", "").strip().lower()
+            if encoding not in ("", "identity"):
+                # A document we parse (an index page, a checksum file) must be read as its
+                # text: undone here, within ``limit`` however well it compresses.
+                body = await run_blocking(_decoded, body, encoding, limit, self._url)
+                await self._hold(len(body) * BUDGET_BYTES_PER_BODY_BYTE - self._held, wait_s)
         except BaseException:
             self.release()
             raise
-        return b"".join(chunks)
+        return body
+
+    async def _hold(self, n_bytes: int, wait_s: float) -> None:
+        """Take ``n_bytes`` more of the budget (at most what is left of its capacity)."""
+        budget = self._upstream.pool.budget
+        more = min(n_bytes, budget.capacity - self._held)
+        if more > 0:
+            await budget.take(more, wait_s)
+            self._held += more
 
     def release(self) -> None:
         """Give the body's bytes back to the budget (when the answer is closed)."""
@@ -476,10 +494,33 @@ def host_of(url: str) -> str:
     return urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
 
 
+def _decoded(body: bytes, encoding: str, limit: int, url: str) -> bytes:
+    """``body`` with its Content-Encoding undone, refusing more than ``limit`` bytes
+    (blocking: run it in the I/O pool)."""
+    if encoding in ("gzip", "x-gzip"):
+        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    elif encoding == "deflate":
+        decoder = zlib.decompressobj()
+    else:
+        raise UpstreamUnavailable(
+            f"upstream body for {url} has Content-Encoding {encoding!r}, which the proxy "
+            "does not decode (it asks for identity)"
+        )
+    try:
+        text = decoder.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise UpstreamUnavailable(
+            f"upstream body for {url} is not valid {encoding}: {exc}"
+        ) from exc
+    if len(text) > limit or decoder.unconsumed_tail:
+        raise UpstreamUnavailable(
+            f"upstream body for {url} decodes to more than the {format_size(limit)} limit"
+        )
+    return text
+
+
 def content_length(response: httpx.Response) -> int | None:
-    """The body size, if the upstream stated it for the bytes we will see (not encoded)."""
-    if response.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
-        return None
+    """The body size the upstream stated: of the bytes as sent (we never decode them)."""
     value = response.headers.get("content-length")
     if value is None or not value.isascii() or not value.isdigit():
         return None
