@@ -3,9 +3,11 @@ facing untrusted clients needs and uvicorn does not set (docs/architecture.md, "
 and hostile clients").
 
 - A request head must arrive whole within ``HEAD_TIMEOUT_S`` of the connection (or of
-  the previous response): a client that opens connections and never finishes its
-  headers (slowloris) is answered 408 and disconnected, and an idle new connection is
-  closed.
+  the end of the previous response): a client that opens connections and never
+  finishes its headers (slowloris) is answered 408 and disconnected, and an idle new
+  connection is closed. A pipelined head that begins while a response is still being
+  sent starts its clock only when that response ends, and no refusal is ever written
+  into a response in progress: it waits for the response's end.
 - A request head may be at most ``MAX_HEAD_BYTES``: past that the client gets 431 and
   is disconnected before more is buffered (the parser would otherwise keep a header
   line of any length in memory).
@@ -36,6 +38,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _in_head = True
     _head_bytes = 0
     _head_timer: asyncio.TimerHandle | None = None
+    # A refusal for a pipelined head, held until the response being sent is complete.
+    _pending_refusal: tuple[int, str] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -69,11 +73,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             extensions: dict[str, object] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
             extensions[SENDFILE_EXTENSION] = sender
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        if self._pending_refusal is not None:
+            self._refuse(*self._pending_refusal)
+        elif self._in_head and self._head_timer is None:
+            # A pipelined head's clock starts now that our answer before it is sent.
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _responding(self) -> bool:
+        """Is a response still being sent on this connection?"""
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete
+
     def _begin_head(self) -> None:
         self._in_head = True
         self._head_bytes = 0
         self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+        if not self._responding():  # else on_response_complete starts it
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -91,6 +111,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str) -> None:
         self._cancel_head_timer()
+        if self._responding():
+            # Never inside the body being sent: after it, and read nothing more meanwhile.
+            self._pending_refusal = (status, message)
+            self.flow.pause_reading()
+            return
         body = (message + "\n").encode()
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
