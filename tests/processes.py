@@ -26,6 +26,7 @@ class ProxyProcess:
         env: dict[str, str] | None = None,
         workers: int = 1,
         checkout: Path | None = None,
+        wrapper: tuple[str, ...] = (),
     ) -> None:
         """``config`` None: the embedded defaults. The runner's own ``PROXY_*`` variables
         are not passed on: a test's proxy gets only the settings the test gives it.
@@ -40,6 +41,7 @@ class ProxyProcess:
         self.env = {**inherited, **(env or {})}
         self.workers = workers
         self.checkout = checkout
+        self.wrapper = wrapper  # a command the proxy runs under (e.g. prlimit ...)
         self.process: subprocess.Popen[bytes] | None = None
         self._log_start = 0
 
@@ -48,7 +50,8 @@ class ProxyProcess:
         python = (
             sys.executable if self.checkout is None else str(self.checkout / ".venv/bin/python")
         )
-        argv = [python, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}"]
+        argv = [*self.wrapper, python, "-m", "proxy", "serve"]
+        argv += ["--listen", f"127.0.0.1:{self.port}"]
         if self.config is not None:
             argv += ["--config", str(self.config)]
         if self.workers != 1:

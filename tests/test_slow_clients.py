@@ -198,3 +198,52 @@ def test_a_metrics_folder_that_does_not_exist_yet_is_created(tmp_path: Path) -> 
         proxy.stop()
     output = proxy.log()
     assert metrics_dir.is_dir() and "Traceback" not in output, output
+
+
+def _raw_config(tmp_path: Path, upstream: FakeUpstream) -> Path:
+    return write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [[repositories]]
+        name = "files"
+        format = "raw"
+        upstream = "{upstream.base_url}/"
+        """,
+    )
+
+
+def test_a_low_open_files_limit_is_raised_and_idle_connections_starve_nobody(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    # Issue 18: at systemd's default soft limit of 1,024 descriptors, 1,100 idle
+    # connections reset every legitimate request, with nothing logged.
+    upstream.files["/a.txt"] = b"a" * 1000
+    wrapper = ("prlimit", "--nofile=1024:8192", "--")
+    proxy = ProxyProcess(_raw_config(tmp_path, upstream), tmp_path, "p", wrapper=wrapper)
+    proxy.start().wait_ready()
+    idle: list[socket.socket] = []
+    try:
+        assert "open files limit 8192 (raised from 1024)" in proxy.log()
+        idle = hostile.open_sockets(proxy.port, 1100, b"")
+        with httpx.Client(timeout=5) as client:
+            for _ in range(20):
+                assert client.get(proxy.url + "/files/a.txt").status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        proxy.stop()
+
+
+def test_a_hard_limit_that_cannot_be_raised_is_said_at_start(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    wrapper = ("prlimit", "--nofile=1024:1024", "--")
+    proxy = ProxyProcess(_raw_config(tmp_path, upstream), tmp_path, "p", wrapper=wrapper)
+    proxy.start().wait_ready()
+    try:
+        assert "open files limit 1024, the hard limit: at most 384 connections" in proxy.log()
+        assert "LimitNOFILE" in proxy.log()
+    finally:
+        proxy.stop()

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -39,6 +40,11 @@ WORKER_RESTART_DELAY_S = 1.0
 PARENT_CHECK_INTERVAL_S = 0.5
 LISTEN_BACKLOG = 2048
 STARTUP_FAILED = 1  # run_process's status when the server never started
+# Descriptors kept for everything but client connections (database, files being read
+# and written, upstream sockets, pipes); each connection may hold one more (a blob).
+FD_RESERVE = 256
+FDS_PER_CONNECTION = 2
+OPEN_FILES_WANTED = 65536
 
 
 class BindError(Exception):
@@ -59,8 +65,41 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files towards its hard limit (workers
+    inherit it); (the limit before, the limit now). systemd and many shells give 1,024:
+    a thousand idle connections would leave no descriptor for a real request."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def connection_limit(open_files: int) -> int:
+    """How many connections one process serves at once: beyond it, requests get a 503
+    (uvicorn's limit_concurrency) instead of the reset a lack of descriptors gives."""
+    return max(16, (open_files - FD_RESERVE) // FDS_PER_CONNECTION)
+
+
 def serve(settings: Settings, workers: int, access_log: bool, log_level: str) -> int:
     """Serve until SIGTERM/SIGINT; the process's exit status."""
+    before, now = raise_open_files_limit()
+    raised = f" (raised from {before})" if now != before else ""
+    connections = connection_limit(now)
+    if now < OPEN_FILES_WANTED:
+        log.warning(
+            "open files limit %s%s, the hard limit: at most %d connections per process; "
+            "raise it (systemd LimitNOFILE, docker --ulimit nofile) to serve more",
+            now,
+            raised,
+            connections,
+        )
+    else:
+        log.info(
+            "open files limit %s%s: at most %d connections per process", now, raised, connections
+        )
     sock = bind(settings.host, settings.port)
     if workers == 1:
         return run_process(settings, sock, access_log, log_level)
@@ -81,6 +120,7 @@ def run_process(
     from proxy.http.protocol import GuardedHttpToolsProtocol
 
     shutdown = ShutdownSignal()
+    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     config = uvicorn.Config(
         create_app(settings, shutdown=shutdown),
         loop="uvloop",
@@ -92,6 +132,7 @@ def run_process(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
         server_header=False,
+        limit_concurrency=connection_limit(open_files),
     )
     server = uvicorn.Server(config)
 
