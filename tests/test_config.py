@@ -127,6 +127,58 @@ def test_every_bad_key_is_named_at_once(tmp_path: Path) -> None:
         assert key in joined, f"{key} missing from:\n{joined}"
 
 
+def test_values_too_small_to_work_are_refused_naming_the_minimum(tmp_path: Path) -> None:
+    # Issue 18: `leases.ttl = "1ms"` was accepted, and then every lease was lost at once.
+    errors = _errors(
+        tmp_path,
+        """
+        [upstream]
+        connect_timeout = "1ms"
+        read_timeout = "50ms"
+        transfer_timeout = "500ms"
+        min_rate_window = "1ms"
+        parse_timeout = "1ms"
+        [leases]
+        ttl = "1ms"
+        poll_interval = "1ms"
+        [jobs]
+        evict_interval = "10ms"
+        reclaim_interval = "0.5s"
+    """,
+    )
+    expected = {
+        "upstream.connect_timeout": "at least 100ms",
+        "upstream.read_timeout": "at least 100ms",
+        "upstream.transfer_timeout": "at least 1s",
+        "upstream.min_rate_window": "at least 100ms",
+        "upstream.parse_timeout": "at least 100ms",
+        "leases.ttl": "at least 1s",
+        "leases.poll_interval": "at least 10ms",
+        "jobs.evict_interval": "at least 1s",
+        "jobs.reclaim_interval": "at least 1s",
+    }
+    for key, minimum in expected.items():
+        found = [e for e in errors if e.startswith(f"{key}:")]
+        assert found and minimum in found[0] and "too short" in found[0], (key, errors)
+    # The smallest values that work are accepted.
+    load(
+        write_config(
+            tmp_path,
+            """
+            [upstream]
+            connect_timeout = "100ms"
+            read_timeout = "100ms"
+            transfer_timeout = "1s"
+            [leases]
+            ttl = "1s"
+            poll_interval = "10ms"
+            """,
+            name="ok.toml",
+        ),
+        {},
+    )
+
+
 def test_structural_errors(tmp_path: Path) -> None:
     assert any(
         "is used by two repositories" in e

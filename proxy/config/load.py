@@ -185,13 +185,15 @@ class _Parser:
         database_url = database_url or f"sqlite:///{Path(storage_path) / 'proxy.db'}"
         self.database_url(database_url, "database.url")
 
-        positive = Duration(positive=True)
+        # The shortest values that can work (shorter ones fail every request or lease).
+        network = Duration(minimum_s=0.1, why="a network round trip takes that long")
+        interval = Duration(minimum_s=1.0, why="a pass would start before the last one ends")
         upstream_settings = UpstreamSettings(
             connect_timeout_s=self.value(
-                upstream, "upstream", "connect_timeout", positive, DEFAULT_CONNECT_TIMEOUT_S
+                upstream, "upstream", "connect_timeout", network, DEFAULT_CONNECT_TIMEOUT_S
             ),
             read_timeout_s=self.value(
-                upstream, "upstream", "read_timeout", positive, DEFAULT_READ_TIMEOUT_S
+                upstream, "upstream", "read_timeout", network, DEFAULT_READ_TIMEOUT_S
             ),
             retries=self.value(upstream, "upstream", "retries", Integer(0, 10), DEFAULT_RETRIES),
             max_connections=self.value(
@@ -202,14 +204,18 @@ class _Parser:
                 DEFAULT_MAX_CONNECTIONS,
             ),
             transfer_timeout_s=self.value(
-                upstream, "upstream", "transfer_timeout", positive, DEFAULT_TRANSFER_TIMEOUT_S
+                upstream,
+                "upstream",
+                "transfer_timeout",
+                Duration(minimum_s=1.0, why="a transfer is a head and a body"),
+                DEFAULT_TRANSFER_TIMEOUT_S,
             ),
             min_rate=self.value(upstream, "upstream", "min_rate", Rate(), DEFAULT_MIN_RATE),
             min_rate_window_s=self.value(
-                upstream, "upstream", "min_rate_window", positive, DEFAULT_MIN_RATE_WINDOW_S
+                upstream, "upstream", "min_rate_window", network, DEFAULT_MIN_RATE_WINDOW_S
             ),
             parse_timeout_s=self.value(
-                upstream, "upstream", "parse_timeout", positive, DEFAULT_PARSE_TIMEOUT_S
+                upstream, "upstream", "parse_timeout", network, DEFAULT_PARSE_TIMEOUT_S
             ),
         )
         if upstream_settings.transfer_timeout_s < upstream_settings.read_timeout_s:
@@ -217,9 +223,19 @@ class _Parser:
                 "upstream.transfer_timeout", "must not be shorter than upstream.read_timeout"
             )
         lease_settings = LeaseSettings(
-            ttl_s=self.value(leases, "leases", "ttl", positive, DEFAULT_LEASE_TTL_S),
+            ttl_s=self.value(
+                leases,
+                "leases",
+                "ttl",
+                Duration(minimum_s=1.0, why="it is renewed every ttl/3, a database round trip"),
+                DEFAULT_LEASE_TTL_S,
+            ),
             poll_interval_s=self.value(
-                leases, "leases", "poll_interval", positive, DEFAULT_LEASE_POLL_INTERVAL_S
+                leases,
+                "leases",
+                "poll_interval",
+                Duration(minimum_s=0.01, why="every waiter asks the database this often"),
+                DEFAULT_LEASE_POLL_INTERVAL_S,
             ),
             retention_s=self.value(
                 leases, "leases", "retention", Duration(), DEFAULT_LEASE_RETENTION_S
@@ -230,16 +246,16 @@ class _Parser:
             self.error("leases.poll_interval", "must not be longer than leases.ttl")
         job_settings = JobSettings(
             reclaim_interval_s=self.value(
-                jobs, "jobs", "reclaim_interval", positive, DEFAULT_RECLAIM_INTERVAL_S
+                jobs, "jobs", "reclaim_interval", interval, DEFAULT_RECLAIM_INTERVAL_S
             ),
             sweep_interval_s=self.value(
-                jobs, "jobs", "sweep_interval", positive, DEFAULT_SWEEP_INTERVAL_S
+                jobs, "jobs", "sweep_interval", interval, DEFAULT_SWEEP_INTERVAL_S
             ),
             evict_interval_s=self.value(
-                jobs, "jobs", "evict_interval", positive, DEFAULT_EVICT_INTERVAL_S
+                jobs, "jobs", "evict_interval", interval, DEFAULT_EVICT_INTERVAL_S
             ),
             retention_interval_s=self.value(
-                jobs, "jobs", "retention_interval", positive, DEFAULT_RETENTION_INTERVAL_S
+                jobs, "jobs", "retention_interval", interval, DEFAULT_RETENTION_INTERVAL_S
             ),
             evict_grace_s=self.value(
                 jobs, "jobs", "evict_grace", Duration(), DEFAULT_EVICT_GRACE_S

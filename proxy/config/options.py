@@ -84,10 +84,15 @@ def _expanded(value: object, key: str, report: Reporter) -> object:
 
 
 class Duration:
-    """``"250ms"``, ``"15s"``, ``"10m"``, ``"24h"``, ``"2d"``, ``"0"`` -> seconds."""
+    """``"250ms"``, ``"15s"``, ``"10m"``, ``"24h"``, ``"2d"``, ``"0"`` -> seconds.
 
-    def __init__(self, positive: bool = False) -> None:
-        self.positive = positive
+    ``minimum_s``: the shortest value that can work (a lease of 1 ms is lost before its
+    first renewal); shorter ones are an error naming the minimum and ``why``."""
+
+    def __init__(self, positive: bool = False, minimum_s: float = 0.0, why: str = "") -> None:
+        self.positive = positive or minimum_s > 0
+        self.minimum_s = minimum_s
+        self.why = why
 
     def parse(self, value: object, key: str, report: Reporter) -> float | None:
         raw = value
@@ -98,6 +103,12 @@ class Duration:
             return None
         if self.positive and seconds <= 0:
             report.error(key, f"{raw!r} must be more than 0")
+            return None
+        if seconds < self.minimum_s:
+            because = f" ({self.why})" if self.why else ""
+            report.error(
+                key, f"{raw!r} is too short: at least {format_duration(self.minimum_s)}{because}"
+            )
             return None
         return seconds
 
