@@ -58,6 +58,7 @@ class Engine:
     # Proxying repositories without an upstream -> the 503 message naming the setting.
     not_configured: dict[str, str]
     mirrors: Mirrors
+    upstreams: UpstreamPool  # the httpx client, host slots and circuits of every repository
     _stopping: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def start_background(self, scheduler: bool = True) -> None:
@@ -168,6 +169,7 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
                 size_limits,
                 not_configured,
                 mirrors,
+                pool,
             )
             try:
                 yield engine

@@ -38,6 +38,7 @@ from proxy.exceptions import (
 from proxy.http import responses
 from proxy.http.paths import check_headers, split_path
 from proxy.http.semantics import retry_after_header
+from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.types import Receive, Scope, Send
@@ -246,9 +247,13 @@ async def readyz(request: StarletteRequest) -> Response:
             )
     if state.tasks.closing:
         problems.append("shutting down")
+    # An upstream that is down does not make us unready (cached files and stale pages
+    # are served), but the operator reads here which one it is.
+    outages = "".join(f"{line}\n" for line in state.upstreams.outages())
     if problems:
-        return PlainTextResponse("not ready: " + "; ".join(problems) + "\n", status_code=503)
-    return PlainTextResponse("ready\n")
+        body = "not ready: " + "; ".join(problems) + "\n" + outages
+        return PlainTextResponse(redact(body), status_code=503)
+    return PlainTextResponse(redact("ready\n" + outages))
 
 
 async def metrics_endpoint(request: StarletteRequest) -> Response:

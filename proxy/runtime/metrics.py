@@ -75,6 +75,12 @@ UPSTREAM_ERRORS = Counter(
     "Upstream failures seen (each attempt), by upstream host and reason",
     ["host", "reason"],
 )
+UPSTREAM_CIRCUIT_STATE = Gauge(
+    "proxy_upstream_circuit_state",
+    "Outage memory per upstream host: 0 closed (up), 1 half-open (probing), 2 open (down)",
+    ["host"],
+    multiprocess_mode="max",  # with several workers: the worst any worker sees
+)
 FETCHES_IN_FLIGHT = Gauge(
     "proxy_fetches_in_flight",
     "Upstream fetches running in this process",

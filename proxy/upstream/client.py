@@ -31,7 +31,7 @@ import logging
 import random
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from urllib.parse import urljoin, urlsplit
 
@@ -46,6 +46,7 @@ from proxy.http.semantics import RETRY_AFTER_DEFAULT_S, header_value_ok, parse_r
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.units import format_duration, format_size
+from proxy.upstream.circuit import Circuit
 from proxy.upstream.ssrf import AddressPolicy
 
 log = logging.getLogger("proxy.upstream")
@@ -144,6 +145,18 @@ class UpstreamPool:
         self.client = client or build_client(settings)
         self.budget = ByteBudget(BUFFERED_BODIES_MAX_BYTES)
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self.circuits: dict[str, Circuit] = {}
+
+    def circuit(self, host: str) -> Circuit:
+        """The outage memory of ``host`` (upstream/circuit.py), shared by repositories."""
+        circuit = self.circuits.get(host)
+        if circuit is None:
+            circuit = self.circuits[host] = Circuit(host)
+        return circuit
+
+    def outages(self) -> list[str]:
+        """One line per upstream host that is down now (for /readyz)."""
+        return [line for c in self.circuits.values() if (line := c.describe()) is not None]
 
     def for_repository(
         self, repository: str, upstreams: tuple[str, ...], allow_hosts: tuple[str, ...] = ()
@@ -208,8 +221,13 @@ class Upstream:
         for _hop in range(MAX_REDIRECTS + 1):
             host = host_of(url)
             slot = self.pool.slot(host) if beside is None else contextlib.nullcontext()
+            circuit = self.pool.circuit(host)
+            probe = circuit.admit()  # fails at once while the host is known to be down
             async with slot:
-                response = await self._send(method, url, headers, deadline)
+                try:
+                    response = await self._send(method, url, headers, deadline, circuit, probe)
+                finally:
+                    circuit.release(probe)  # a probe that got no verdict (refused, cancelled)
                 location = response.extensions.get(LOCATION_EXTENSION)
                 if response.status_code in REDIRECT_STATUSES and location:
                     await response.aclose()
@@ -232,8 +250,21 @@ class Upstream:
         raise UpstreamUnavailable(f"upstream redirected more than {MAX_REDIRECTS} times: {url}")
 
     async def _send(
-        self, method: str, url: str, headers: Mapping[str, str] | None, deadline: float
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None,
+        deadline: float,
+        circuit: Circuit,
+        probe: bool,
     ) -> httpx.Response:
+        """One hop, retried; its outcome is told to the host's circuit: an answer head
+        (``succeeded``), or an outage (``failed``, as the error is raised)."""
+
+        def down(error: UpstreamError) -> UpstreamError:
+            circuit.failed(str(error), probe)
+            return error
+
         host = host_of(url)
         attempt = 0
         while True:
@@ -241,7 +272,7 @@ class Upstream:
                 async with asyncio.timeout_at(_loop_deadline(deadline)):
                     target = await self.policy.vet(url)  # may resolve a name
             except TimeoutError:
-                raise self.past_deadline(host, "resolving its name") from None
+                raise down(self.past_deadline(host, "resolving its name")) from None
             request_headers = dict(headers or {})
             if target.host_header is not None:
                 request_headers["Host"] = target.host_header
@@ -264,11 +295,13 @@ class Upstream:
                     response = await self.pool.client.send(request, stream=True)
             except TimeoutError as exc:
                 if head_deadline >= deadline:
-                    raise self.past_deadline(host, "waiting for a response head") from exc
+                    raise down(self.past_deadline(host, "waiting for a response head")) from exc
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
-                raise UpstreamTimeout(
-                    f"upstream {host} sent no complete response head within "
-                    f"{format_duration(head_timeout_s)}"
+                raise down(
+                    UpstreamTimeout(
+                        f"upstream {host} sent no complete response head within "
+                        f"{format_duration(head_timeout_s)}"
+                    )
                 ) from exc
             except httpx.TimeoutException as exc:
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
@@ -276,23 +309,26 @@ class Upstream:
                     self.settings.retries
                 ):
                     attempt += 1
-                    await self._pause(_backoff_s(attempt), host, deadline)
+                    await self._pause(_backoff_s(attempt), host, deadline, down)
                     continue
-                raise UpstreamTimeout(f"upstream {host} timed out ({type(exc).__name__})") from exc
+                raise down(
+                    UpstreamTimeout(f"upstream {host} timed out ({type(exc).__name__})")
+                ) from exc
             except httpx.TransportError as exc:
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="connect").inc()
                 if isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError) and attempt < (
                     self.settings.retries
                 ):
                     attempt += 1
-                    await self._pause(_backoff_s(attempt), host, deadline)
+                    await self._pause(_backoff_s(attempt), host, deadline, down)
                     continue
-                raise UpstreamUnavailable(f"upstream {host} unreachable: {exc!r}") from exc
+                raise down(UpstreamUnavailable(f"upstream {host} unreachable: {exc!r}")) from exc
             except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
                 # httpx.InvalidURL is no HTTPError; idna's errors are ValueErrors.
                 metrics.UPSTREAM_ERRORS.labels(host=host, reason="protocol").inc()
-                raise UpstreamUnavailable(f"upstream {host}: {exc}") from exc
+                raise down(UpstreamUnavailable(f"upstream {host}: {exc}")) from exc
             if response.status_code not in RETRY_STATUSES:
+                circuit.succeeded(probe)
                 return response
             metrics.UPSTREAM_ERRORS.labels(host=host, reason=str(response.status_code)).inc()
             retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
@@ -300,19 +336,27 @@ class Upstream:
             if attempt < self.settings.retries:
                 attempt += 1
                 wait_s = min(retry_after or _backoff_s(attempt), RETRY_AFTER_MAX_S)
-                await self._pause(wait_s, host, deadline)
+                await self._pause(wait_s, host, deadline, down)
                 continue
             status = 503 if response.status_code in (429, 503) else 502
-            raise UpstreamUnavailable(
-                f"upstream {host} answered {response.status_code} for {url}",
-                status=status,
-                retry_after_s=retry_after,
+            raise down(
+                UpstreamUnavailable(
+                    f"upstream {host} answered {response.status_code} for {url}",
+                    status=status,
+                    retry_after_s=retry_after,
+                )
             )
 
-    async def _pause(self, wait_s: float, host: str, deadline: float) -> None:
+    async def _pause(
+        self,
+        wait_s: float,
+        host: str,
+        deadline: float,
+        down: Callable[[UpstreamError], UpstreamError],
+    ) -> None:
         """Wait before a retry, unless the transfer deadline comes first."""
         if time.monotonic() + wait_s >= deadline:
-            raise self.past_deadline(host, "retrying")
+            raise down(self.past_deadline(host, "retrying"))
         await asyncio.sleep(wait_s)
 
     def past_deadline(self, host: str, doing: str) -> UpstreamTimeout:
@@ -360,7 +404,15 @@ class UpstreamAnswer:
     async def body(self) -> AsyncIterator[bytes]:
         """The body as it arrives; ``UpstreamError`` if it breaks off, stalls, trickles
         below ``upstream.min_rate``, outlives ``upstream.transfer_timeout`` or is not as
-        long as its Content-Length said."""
+        long as its Content-Length said: each the host's fault, told to its circuit."""
+        try:
+            async for chunk in self._chunks():
+                yield chunk
+        except UpstreamError as exc:
+            self._upstream.pool.circuit(self.host).failed(str(exc), probe=False)
+            raise
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
         settings = self._upstream.settings
         host = self.host
         expected = self.length

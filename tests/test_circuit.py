@@ -1,0 +1,125 @@
+"""Outage memory (proxy/upstream/circuit.py): while an upstream is down, stale copies are
+served at once and misses fail fast with a 503 and Retry-After, instead of each request
+paying a timeout; one probe per backoff window finds out when it is back (issue 18)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.clock import ManualClock
+from proxy.config.load import load
+from proxy.exceptions import UpstreamUnavailable
+from proxy.upstream import circuit as circuit_module
+from proxy.upstream.circuit import BACKOFF_MAX_S, FAILURES_TO_OPEN, Circuit, State
+from tests.conftest import ProxyFactory, pypi_config, write_config
+from tests.processes import metric_value
+from tests.upstream import FakeUpstream, ProjectFile
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_circuit_opens_probes_once_and_closes() -> None:
+    clock = FakeTime()
+    c = Circuit("up.example", clock)
+    for _ in range(FAILURES_TO_OPEN - 1):
+        assert c.admit() is False
+        c.failed("connection refused", probe=False)
+    assert c.state is State.CLOSED
+    c.failed("connection refused", probe=False)
+    assert c.state is State.OPEN
+    with pytest.raises(UpstreamUnavailable) as refused:
+        c.admit()
+    assert refused.value.status == 503 and refused.value.retry_after_s is not None
+    assert "up.example is down (connection refused)" in str(refused.value)
+    first_window = c.retry_at - clock.now
+    clock.now = c.retry_at
+    assert c.admit() is True  # the one probe
+    assert c.state is State.HALF_OPEN
+    with pytest.raises(UpstreamUnavailable):
+        c.admit()  # the others still fail fast while it is out
+    c.failed("timed out", probe=True)
+    assert c.state is State.OPEN and c.retry_at - clock.now > first_window  # backs off
+    c.failed("late", probe=False)  # a request sent before: the window stands
+    clock.now = c.retry_at
+    assert c.admit() is True
+    c.succeeded(probe=True)
+    assert c.state is State.CLOSED and c.admit() is False and c.failures == 0
+
+
+def test_backoff_is_bounded_and_a_probe_without_verdict_lets_another_go() -> None:
+    clock = FakeTime()
+    c = Circuit("up.example", clock)
+    for _ in range(FAILURES_TO_OPEN):
+        c.failed("down", probe=False)
+    for _ in range(20):
+        clock.now = c.retry_at
+        assert c.admit() is True
+        c.failed("down", probe=True)
+    assert c.retry_at - clock.now <= BACKOFF_MAX_S
+    clock.now = c.retry_at
+    assert c.admit() is True
+    c.release(probe=True)  # refused by our policy, or cancelled: no verdict
+    assert c.admit() is True
+
+
+def test_an_upstream_that_is_down_costs_no_more_requests_stale_pages_go_at_once(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(circuit_module, "BACKOFF_MIN_S", 3.0)  # longer than the loop below
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"a" * 1000)])
+    upstream.add_project("beta", [ProjectFile("beta-1.0.tar.gz", b"b" * 1000)])
+    clock = ManualClock()
+    config = pypi_config(tmp_path / "data", upstream.base_url)
+    proxy = start_proxy(load(write_config(tmp_path, config), {}), clock)
+    host = upstream.base_url.removeprefix("http://")
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        assert client.get("/pypi/simple/alpha/").status_code == 200
+        clock.advance(3600)  # the page has expired
+        upstream.fault("/simple/alpha/", status=500)
+        upstream.fault("/simple/beta/", status=500)
+        for _ in range(FAILURES_TO_OPEN):
+            stale = client.get("/pypi/simple/alpha/")
+            assert stale.status_code == 200 and "110" in stale.headers["warning"]
+        asked = upstream.count("/simple/alpha/")
+        # Down: stale copies at once, misses fail fast, and the upstream is not asked.
+        for _ in range(10):
+            stale = client.get("/pypi/simple/alpha/")
+            assert stale.status_code == 200 and "110" in stale.headers["warning"]
+        miss = client.get("/pypi/simple/beta/")
+        assert miss.status_code == 503 and int(miss.headers["retry-after"]) >= 1
+        assert f"upstream {host} is down" in miss.text
+        assert upstream.count("/simple/alpha/") == asked and upstream.count("/simple/beta/") == 0
+        ready = client.get("/readyz")
+        assert f"upstream {host} is down" in ready.text
+        assert (
+            metric_value(client.get("/metrics").text, "proxy_upstream_circuit_state", host=host)
+            == 2
+        )
+        # Back: after the window one probe goes out, and the fresh page is served.
+        upstream.clear_faults()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            fresh = client.get("/pypi/simple/alpha/")
+            if "warning" not in fresh.headers:
+                break
+            time.sleep(0.2)
+        assert fresh.status_code == 200 and "warning" not in fresh.headers
+        assert client.get("/pypi/simple/beta/").status_code == 200
+        assert "is down" not in client.get("/readyz").text
+        assert (
+            metric_value(client.get("/metrics").text, "proxy_upstream_circuit_state", host=host)
+            == 0
+        )
