@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test check lint format bench clean lock deploy-test bench-lb
+.PHONY: serve test check lint format bench clean lock deploy-test bench-lb soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ deploy-test: $(STAMP)
 
 bench-lb: $(STAMP)
 	$(BIN)/python bench/lb.py
+
+# Three replicas on Postgres under load while replicas, Postgres, the upstream and the
+# disk fail (bench/soak.py); exits 1 on a wrong body, a 500 or anything left behind.
+SOAK_DURATION ?= 20m
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --duration $(SOAK_DURATION)
 
 # The image installs requirements.lock (runtime dependencies + the image's init, with
 # hashes) and builds the project with requirements-build.lock (the build backend).

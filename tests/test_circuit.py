@@ -40,7 +40,7 @@ def test_a_circuit_opens_probes_once_and_closes() -> None:
     with pytest.raises(UpstreamUnavailable) as refused:
         c.admit()
     assert refused.value.status == 503 and refused.value.retry_after_s is not None
-    assert "up.example is down (connection refused)" in str(refused.value)
+    assert "up.example is down (last failure: connection refused)" in str(refused.value)
     first_window = c.retry_at - clock.now
     clock.now = c.retry_at
     assert c.admit() is True  # the one probe

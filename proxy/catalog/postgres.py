@@ -36,10 +36,19 @@ LISTENER_RETRY_MAX_S = 5.0
 NOTIFY_CHANNEL = "proxy_fetch_leases"
 LISTENER_APPLICATION_NAME = "proxy-lease-listener"
 
-_DRIVER_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+# InternalClientError: a pooled connection left in a broken state by a server restart
+# ("cannot switch to state 12; another operation is in progress").
+_DRIVER_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
 _CONNECTION_LOST = (
     asyncpg.ConnectionDoesNotExistError,
     asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
     asyncpg.AdminShutdownError,
     asyncpg.CannotConnectNowError,
     ConnectionError,

@@ -13,8 +13,10 @@ import logging
 from proxy.redaction import redact
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
-# Libraries whose INFO lines repeat ours (with full URLs): warnings and errors only.
-QUIET_LOGGERS = ("httpx", "httpcore")
+# Libraries whose lines repeat ours: httpx's INFO line per request (with its full URL),
+# asyncpg's pool retrying its connection floor with a traceback while the database is
+# down (our catalog errors say so once per failed statement).
+QUIET_LOGGERS = {"httpx": logging.WARNING, "httpcore": logging.WARNING, "asyncpg": logging.ERROR}
 
 
 class RedactingFormatter(logging.Formatter):
@@ -28,5 +30,5 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
         handler.setFormatter(RedactingFormatter(LOG_FORMAT))
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)

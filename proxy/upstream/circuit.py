@@ -69,8 +69,8 @@ class Circuit:
             return True
         wait_s = max(self.retry_at - now, HALF_OPEN_RETRY_AFTER_S)
         raise UpstreamUnavailable(
-            f"upstream {self.host} is down ({self.last_error}); it is not asked again "
-            f"for {wait_s:.0f} s",
+            f"upstream {self.host} is down (last failure: {self.last_error}); it is not "
+            f"asked again for {wait_s:.0f} s",
             status=503,
             retry_after_s=wait_s,
         )
