@@ -30,5 +30,5 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
         handler.setFormatter(RedactingFormatter(LOG_FORMAT))
-    for name, level in QUIET_LOGGERS.items():
-        logging.getLogger(name).setLevel(level)
+    for name, quiet_level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(quiet_level)
