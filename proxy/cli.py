@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import json
 import os
 import shutil
 import sys
@@ -26,41 +27,91 @@ if TYPE_CHECKING:
     from proxy.config.settings import Settings
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+# What each command reads: a ${VAR} in a section it never reads may stay unset.
+_STORE = frozenset({"database", "storage"})
+NEEDS: dict[str, tuple[frozenset[str] | None, str]] = {
+    "serve": (None, "all"),
+    "check-config": (None, "all"),
+    "migrate": (_STORE, "none"),
+    "gc": (_STORE | {"leases"}, "none"),
+    "stats": (_STORE, "none"),
+    "jobs": (_STORE | {"jobs", "leases", "upstream", "mirrors"}, "none"),
+    "mirror": (_STORE | {"leases", "upstream", "mirrors"}, "mirrors"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="proxy", description="Pull-through caching artifact proxy"
+        prog="proxy",
+        description="A pull-through caching proxy for PyPI, Maven, the Gradle build cache "
+        "and raw files. Run `proxy COMMAND --help` for a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"proxy {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    serve = commands.add_parser("serve", help="run the proxy")
-    serve.add_argument(
-        "--config", help="TOML config file (default: $PROXY_CONFIG or built-in defaults)"
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument(
+        "-c",
+        "--config",
+        metavar="FILE",
+        help="TOML config file (default: $PROXY_CONFIG, else the built-in defaults)",
     )
-    serve.add_argument("--listen", help="HOST:PORT to listen on (default: server.listen)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=summary, description=description, parents=[config])
+
+    serve = command(
+        "serve",
+        "run the proxy",
+        "Serve every configured repository over HTTP (HTTPS with server.tls_cert). "
+        "Migrations are applied first; SIGTERM or Ctrl+C stops cleanly, handing "
+        "fetch leases over to other replicas.",
+    )
+    serve.add_argument("--listen", metavar="HOST:PORT", help="default: server.listen")
     serve.add_argument("--workers", type=int, help="worker processes (default: server.workers)")
-    serve.add_argument("--access-log", action="store_true", help="log every request")
+    serve.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one line per request (default: server.access_log, on)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-    check = commands.add_parser(
-        "check-config", help="validate the config and print the effective settings"
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="text lines or one JSON object per line (default: server.log_format, text)",
     )
-    check.add_argument("--config")
-
-    migrate = commands.add_parser("migrate", help="apply database migrations and exit")
-    migrate.add_argument("--config")
-
-    gc = commands.add_parser("gc", help="run one reclaim pass (leases, temp files, orphan blobs)")
-    gc.add_argument("--config")
-
-    stats = commands.add_parser("stats", help="entries and bytes cached per repository")
-    stats.add_argument("--config")
-
-    mirror = commands.add_parser(
+    command(
+        "check-config",
+        "validate the config and print the effective settings",
+        "Print the effective settings as TOML (secrets hidden), or every error with the "
+        "key that holds it (exit status 2).",
+    )
+    command(
+        "migrate",
+        "apply database migrations and exit",
+        "Create or upgrade the catalog's schema (serve does it too, at start).",
+    )
+    command(
+        "gc",
+        "run one reclaim pass now",
+        "Delete old lease rows, temp files of crashed downloads and blobs no entry "
+        "points to (the reclaim job, once).",
+    )
+    stats = command(
+        "stats",
+        "entries and bytes cached per repository",
+        "What the catalog holds per repository. Never creates a catalog: in a folder "
+        "without one it says so and exits 1.",
+    )
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    mirror = command(
         "mirror",
-        help="warm the cache now: the purls given (and an SBOM's), or every [[mirrors]]",
+        "warm the cache now: the purls given (and an SBOM's), or every [[mirrors]]",
+        "Fetch the packages that purls name into the cache, through the same fetch "
+        "leases as serving replicas. Without purls or --sbom, every [[mirrors]] runs "
+        "once. The run is recorded where `proxy jobs` shows it. Exit status 1 if an item "
+        "failed, is missing upstream or has a purl type no repository mirrors.",
     )
-    mirror.add_argument("--config")
     mirror.add_argument("purls", nargs="*", metavar="PURL", help="e.g. pkg:pypi/requests@2.32.3")
     mirror.add_argument("--sbom", help="a CycloneDX or SPDX JSON file: every purl it lists")
     mirror.add_argument(
@@ -70,15 +121,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="for a purl without a version (default: latest)",
     )
     mirror.add_argument("--repository", help="mirror into this repository (default: by type)")
-
-    jobs = commands.add_parser(
-        "jobs", help="every job and schedule: interval, last run and outcome, next due"
+    mirror.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    jobs = command(
+        "jobs",
+        "every job and schedule: interval, last run and outcome, next due",
+        "The fleet's background jobs and mirror runs as the catalog records them.",
     )
-    jobs.add_argument("--config")
+    jobs.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     private_metrics_dir()
-    from proxy.config.load import load
+    from proxy.config.load import Needs, load
     from proxy.exceptions import ConfigError
     from proxy.runtime.logs import configure_logging
 
@@ -87,8 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         environ["PROXY_CONFIG"] = args.config
     if getattr(args, "listen", None):
         environ["PROXY_LISTEN"] = args.listen
+    sections, repositories = NEEDS[args.command]
     try:
-        settings = load(None, environ)
+        settings = load(None, environ, Needs(sections, repositories))
     except ConfigError as exc:
         print("configuration errors:", file=sys.stderr)
         for error in exc.errors:
@@ -104,17 +165,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.command == "mirror":
                 return asyncio.run(_mirror(settings, args))
-            return asyncio.run(_jobs(settings))
+            return asyncio.run(_jobs(settings, args.json))
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
-    configure_logging(getattr(args, "log_level", "info"))
+    if args.command != "serve":
+        configure_logging("info")
     if args.command == "migrate":
         return asyncio.run(_migrate(settings))
     if args.command == "gc":
         return asyncio.run(_gc(settings))
     if args.command == "stats":
-        return asyncio.run(_stats(settings))
+        return asyncio.run(_stats(settings, args.json))
+    return _serve(settings, args)
+
+
+def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    from proxy.http import server
+
+    logs = server.LogOptions(
+        level=args.log_level,
+        format=args.log_format or settings.log_format,
+        access=settings.access_log if args.access_log is None else args.access_log,
+    )
+    logs.configure()
     workers = args.workers if args.workers is not None else settings.workers
     if workers < 1:
         print("--workers: must be 1 or more", file=sys.stderr)
@@ -123,10 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # not a traceback from inside the server's startup.
     if asyncio.run(_migrate(settings, quiet=True)) != 0:
         return 1
-    from proxy.http import server
-
     try:
-        return server.serve(settings, workers, args.access_log, args.log_level)
+        return server.serve(settings, workers, logs)
     except server.BindError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -192,25 +264,73 @@ async def _gc(settings: Settings) -> int:
     return 0
 
 
-async def _stats(settings: Settings) -> int:
+def _no_catalog(settings: Settings) -> str | None:
+    """Why a read-only command has nothing to read, or None. ``stats`` and ``jobs`` never
+    create a catalog: run in the wrong folder, they must say so, not report zeros."""
+    from proxy.catalog import sqlite_path
+
+    if settings.database_url.startswith("sqlite:"):
+        path = sqlite_path(settings.database_url)
+        if not path.is_file():
+            return (
+                f"database.url: no catalog at {path} (nothing is cached there yet; "
+                "`proxy serve` or `proxy migrate` creates it, or pass -c/--config)"
+            )
+    return None
+
+
+async def _stats(settings: Settings, as_json: bool) -> int:
     from proxy.catalog import open_catalog
     from proxy.exceptions import CatalogError
-    from proxy.units import format_size
+    from proxy.units import human_size
 
+    missing = _no_catalog(settings)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
     catalog = open_catalog(settings.database_url)
+    rows: list[dict[str, str | int]] = []
     try:
-        await catalog.migrate()
-        print(f"{'repository':<24} {'format':<20} {'entries':>10} {'bytes':>14}")
         for repo in settings.repositories:
             usage = await catalog.usage(repo.name)
-            size = format_size(usage.bytes) if usage.bytes else "0"
-            print(f"{repo.name:<24} {repo.format:<20} {usage.entries:>10} {size:>14}")
+            rows.append(
+                {
+                    "repository": repo.name,
+                    "format": repo.format,
+                    "entries": usage.entries,
+                    "bytes": usage.bytes,
+                }
+            )
     except CatalogError as exc:
         print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
     finally:
         await catalog.close()
+    if as_json:
+        print(json.dumps({"repositories": rows}, indent=2))
+        return 0
+    _print_table(
+        ("repository", "format", "entries", "size"),
+        [
+            (str(r["repository"]), str(r["format"]), str(r["entries"]), human_size(int(r["bytes"])))
+            for r in rows
+        ],
+        right=(2, 3),
+    )
     return 0
+
+
+def _print_table(
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], right: tuple[int, ...] = ()
+) -> None:
+    table = [header, *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        cells = [
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip())
 
 
 async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
@@ -240,9 +360,15 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
         if not runs:
             print("nothing to mirror: give purls or --sbom, or add [[mirrors]]", file=sys.stderr)
             return 2
-    progress = MirrorProgress(sys.stdout, sys.stdout.isatty())
+    # With --json the output is one document at the end; progress stays off the screen.
+    progress = MirrorProgress(sys.stderr if args.json else sys.stdout, sys.stdout.isatty())
     try:
         async with open_engine(settings, SYSTEM_CLOCK) as engine:
+            unsupported = engine.mirrors.unsupported(args.purls, args.repository)
+            if unsupported:
+                for line in unsupported:
+                    print(f"PURL: {line}", file=sys.stderr)
+                return 1
             # Fetch leases like any replica: a key a serving replica is fetching is shared.
             engine.start_background(scheduler=False)
             for name, purls, sbom_path, versions, repository in runs:
@@ -253,16 +379,23 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         progress.finish()
     s = progress.summary
-    print(f"mirrored: {s.line()}")
-    return 1 if s.failed or s.missing else 0
+    if args.json:
+        print(json.dumps(s.as_dict(), indent=2))
+    else:
+        print(f"mirrored: {s.line()}")
+    return 1 if s.failed or s.missing or s.skipped else 0
 
 
-async def _jobs(settings: Settings) -> int:
+async def _jobs(settings: Settings, as_json: bool) -> int:
     from proxy.clock import SYSTEM_CLOCK
     from proxy.engine import open_engine
     from proxy.exceptions import CatalogError
     from proxy.units import format_duration
 
+    missing = _no_catalog(settings)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
     try:
         async with open_engine(settings, SYSTEM_CLOCK) as engine:
             scheduled = {job.name: job.interval_s for job in engine.jobs()}
@@ -271,18 +404,45 @@ async def _jobs(settings: Settings) -> int:
         print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
     by_name = {run.name: run for run in runs}
-    header = ("job", "interval", "last start", "last outcome", "next due", "holder")
-    rows = [header]
+    found = []
     for name in [*scheduled, *sorted(set(by_name) - set(scheduled))]:
         run = by_name.get(name)
         interval_s = scheduled.get(name)
         started = run.started_at_ms if run is not None else None
-        if interval_s is None:
+        due_ms: int | None = None
+        if interval_s is not None:
+            due_ms = now_ms if started is None else max(now_ms, started + int(interval_s * 1000))
+        found.append((name, interval_s, run, started, due_ms))
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "now_ms": now_ms,
+                    "jobs": [
+                        {
+                            "name": name,
+                            "interval_s": interval_s,
+                            "last_started_ms": started,
+                            "last_finished_ms": run.finished_at_ms if run else None,
+                            "last_outcome": run.outcome if run else None,
+                            "holder": run.holder if run else None,
+                            "next_due_ms": due_ms,
+                        }
+                        for name, interval_s, run, started, due_ms in found
+                    ],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    rows = []
+    for name, interval_s, run, started, due_ms in found:
+        if due_ms is None:
             due = "not scheduled"
-        elif started is None or started + interval_s * 1000 <= now_ms:
+        elif due_ms <= now_ms:
             due = "now"
         else:
-            due = "in " + _ago(int(started + interval_s * 1000 - now_ms))
+            due = "in " + _ago(due_ms - now_ms)
         rows.append(
             (
                 name,
@@ -293,11 +453,7 @@ async def _jobs(settings: Settings) -> int:
                 run.holder if run is not None else "-",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+    _print_table(("job", "interval", "last start", "last outcome", "next due", "holder"), rows)
     return 0
 
 

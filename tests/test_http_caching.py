@@ -79,3 +79,28 @@ def test_cache_control_follows_what_the_answer_is(
     put = httpx.put(url + "/cache/key1", content=b"output")
     assert put.status_code == 201 and put.headers["cache-control"] == "no-store"
     assert httpx.get(url + "/cache/key1").headers["cache-control"] == "no-store"
+
+
+def test_a_changed_metadata_ttl_governs_stored_pages_at_once(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """A page stored under a 10-minute TTL, served by a proxy restarted with 3 s: the
+    current TTL decides its freshness and its max-age (it never exceeds 3 s)."""
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
+    clock = ManualClock()
+    long_ttl = pypi_config(tmp_path / "data", upstream.base_url)
+    first = start_proxy(load(write_config(tmp_path, long_ttl, "long.toml"), {}), clock)
+    assert httpx.get(first.url + "/pypi/simple/alpha/").headers["cache-control"] == (
+        "public, max-age=600"
+    )
+    first.stop()
+    short_ttl = long_ttl.replace('metadata_ttl = "10m"', 'metadata_ttl = "3s"')
+    second = start_proxy(load(write_config(tmp_path, short_ttl, "short.toml"), {}), clock)
+    clock.advance(1)
+    page = httpx.get(second.url + "/pypi/simple/alpha/")
+    assert page.headers["cache-control"] == "public, max-age=2"
+    assert upstream.count("/simple/alpha/") == 1  # still fresh under 3 s
+    clock.advance(3)
+    refreshed = httpx.get(second.url + "/pypi/simple/alpha/")
+    assert upstream.count("/simple/alpha/") == 2  # expired under the new TTL: refetched
+    assert refreshed.headers["cache-control"] == "public, max-age=3"

@@ -35,8 +35,19 @@ from proxy.exceptions import (
     UpstreamError,
     UpstreamUnavailable,
 )
-from proxy.fetch.fetcher import Fetcher, Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
+from proxy.fetch.fetcher import (
+    Fetcher,
+    Inline,
+    Miss,
+    Missing,
+    Outcome,
+    Stale,
+    Stored,
+    Streaming,
+    under_current_ttl,
+)
 from proxy.http import responses
+from proxy.http.access_log import note_outcome
 from proxy.http.responses import HotBlobs
 from proxy.runtime import metrics
 from proxy.runtime.blocking import CpuPool, run_blocking
@@ -83,13 +94,21 @@ class Cache:
     ) -> RepositoryView:
         return RepositoryView(self, name, format_name, upstream, cpu)
 
-    async def lookup(self, repository: str, key: str) -> Entry | None:
-        """The entry for a key, fresh or not; memory first, then the catalog."""
+    async def lookup(
+        self, repository: str, key: str, spec: FetchSpec | None = None
+    ) -> Entry | None:
+        """The entry for a key, fresh or not; memory first, then the catalog. With the
+        key's ``spec``, its expiry is the one the current TTLs give it."""
         entry = self.index.get(repository, key)
-        if entry is not None and entry.is_fresh(self.clock.now_ms()):
-            return entry
+        if entry is not None:
+            if spec is not None:
+                entry = under_current_ttl(entry, spec)
+            if entry.is_fresh(self.clock.now_ms()):
+                return entry
         entry = await self.catalog.get_entry(repository, key)
         if entry is not None:
+            if spec is not None:
+                entry = under_current_ttl(entry, spec)
             self.index.put(entry)
         return entry
 
@@ -205,7 +224,7 @@ class RepositoryView:
 
     async def _outcome(self, spec: FetchSpec) -> tuple[Outcome, bool]:
         """The key's outcome, and whether it was a fresh hit (no fetch at all)."""
-        entry = await self.cache.lookup(self.name, spec.key)
+        entry = await self.cache.lookup(self.name, spec.key, spec)
         hit = self._fresh_hit(spec, entry)
         if hit is not None:
             return hit, True
@@ -218,14 +237,17 @@ class RepositoryView:
             return None
         if entry.kind is Kind.NEGATIVE:
             metrics.NEGATIVE_HITS.labels(repository=self.name).inc()
+            note_outcome("negative")
             return Missing(f"{spec.key} not found upstream (cached)")
         metrics.CACHE_HITS.labels(self.name, self.format, entry.kind.value).inc()
+        note_outcome("hit")
         self.cache.access.record(self.name, spec.key)
         return Stored(entry)
 
     async def _miss(self, spec: FetchSpec, entry: Entry | None) -> Outcome:
         """Fetch a key with no fresh entry (``entry``: the expired one, if any)."""
         metrics.CACHE_MISSES.labels(self.name, self.format, spec.kind.value).inc()
+        note_outcome("miss")
         stale = entry if entry is not None and entry.kind is Kind.METADATA else None
         return await self._fetch(spec, stale)
 
@@ -287,6 +309,7 @@ class RepositoryView:
         if isinstance(outcome, Stored):
             return await self._render_entry(outcome.entry, request, extra)
         if isinstance(outcome, Stale):
+            note_outcome("stale")
             # Expired: say so, and let no cache keep it.
             extra = {**extra, "warning": '110 - "Response is Stale"', "cache-control": "no-cache"}
             return await self._render_entry(outcome.entry, request, extra)
@@ -328,7 +351,7 @@ class RepositoryView:
         return entry is not None and entry.is_fresh(self.cache.clock.now_ms())
 
     async def served_digests(self, spec: FetchSpec) -> Digests:
-        existing = await self.cache.lookup(self.name, spec.key)
+        existing = await self.cache.lookup(self.name, spec.key, spec)
         if existing is not None and existing.sha256 is not None:
             return existing.digests  # expired or not: it is what clients were given
         outcome = self._fresh_hit(spec, existing)
@@ -410,6 +433,7 @@ class RepositoryView:
         )
         await cache.catalog.put_entry(entry)
         self.count_upload("stored")
+        note_outcome("upload")
 
     async def serve_upload(self, key: str, request: Request, content_type: str) -> Response:
         entry = await self.cache.lookup(self.name, key)
@@ -419,6 +443,7 @@ class RepositoryView:
             # Only a read is a use; a HEAD probe must not keep an entry from eviction.
             self.cache.access.record(self.name, key)
         metrics.CACHE_HITS.labels(self.name, self.format, Kind.HOSTED.value).inc()
+        note_outcome("hit")
         try:
             return await self._render_entry(entry, request, {"content-type": content_type})
         except FileNotFoundError:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +34,7 @@ from proxy.config.options import (
     options_of,
 )
 from proxy.config.settings import (
+    DEFAULT_ACCESS_LOG,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_EVICT_GRACE_S,
     DEFAULT_EVICT_INTERVAL_S,
@@ -39,6 +42,7 @@ from proxy.config.settings import (
     DEFAULT_LEASE_RETENTION_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_LISTEN,
+    DEFAULT_LOG_FORMAT,
     DEFAULT_LOW_WATERMARK,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MIN_FREE,
@@ -55,6 +59,7 @@ from proxy.config.settings import (
     DEFAULT_SWEEP_INTERVAL_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
     DEFAULT_WORKERS,
+    LOG_FORMATS,
     MIRROR_VERSIONS,
     JobSettings,
     LeaseSettings,
@@ -62,6 +67,7 @@ from proxy.config.settings import (
     RepositorySettings,
     Settings,
     StorageSettings,
+    TlsSettings,
     UpstreamSettings,
     upstream_env_var,
 )
@@ -76,10 +82,36 @@ _REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _ENV_REF_RE = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
 
 
-def load(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Settings:
+@dataclass(frozen=True)
+class Needs:
+    """The settings a command reads. A ``${VAR}`` anywhere else may stay unset (its
+    value is then empty, and never used): ``proxy mirror`` must not need the build
+    cache's password. ``sections`` None: every section (``serve``, ``check-config``).
+    ``repositories``: "all", "mirrors" (those whose format mirrors purls) or "none"."""
+
+    sections: frozenset[str] | None = None
+    repositories: str = "all"
+
+    def wants(self, key: str, repository_format: str | None) -> bool:
+        section = key.split(".", 1)[0].split("[", 1)[0]
+        if section == "repositories":
+            if self.repositories == "mirrors":
+                return repository_format is not None and bool(
+                    formats.plugin(repository_format).purl_types
+                )
+            return self.repositories == "all"
+        return self.sections is None or section in self.sections
+
+
+EVERYTHING = Needs()
+
+
+def load(
+    path: str | os.PathLike[str] | None, environ: Mapping[str, str], needs: Needs = EVERYTHING
+) -> Settings:
     """Read the TOML file (or the embedded defaults), apply the environment, validate.
 
-    Raises ``ConfigError`` listing every bad key.
+    Raises ``ConfigError`` listing every bad key, each once.
     """
     if path is None:
         path = environ.get("PROXY_CONFIG") or None
@@ -97,7 +129,7 @@ def load(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Set
             raise ConfigError([f"config file {source}: cannot be read ({exc.strerror})"]) from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"config file {source}: not valid TOML ({exc})"]) from exc
-    parser = _Parser(environ)
+    parser = _Parser(environ, needs)
     settings = parser.settings(raw, source)
     if parser.errors:
         raise ConfigError(parser.errors)
@@ -117,12 +149,18 @@ def default_repositories() -> list[dict[str, Any]]:
 class _Parser:
     """Walks the raw TOML tree; implements ``options.Reporter`` for the option types."""
 
-    def __init__(self, environ: Mapping[str, str]) -> None:
+    def __init__(self, environ: Mapping[str, str], needs: Needs = EVERYTHING) -> None:
         self.environ = environ
+        self.needs = needs
         self.errors: list[str] = []
+        # Keys whose ${VAR} is unset: that is their one error (an empty value would
+        # otherwise be reported again as "must not be empty"), or none if not needed.
+        self.unset_keys: set[str] = set()
+        self.repository_format: str | None = None  # of the repository being parsed
 
     def error(self, key: str, message: str) -> None:
-        self.errors.append(f"{key}: {message}")
+        if key not in self.unset_keys:
+            self.errors.append(f"{key}: {message}")
 
     def expand(self, value: str, key: str) -> str:
         def replace(match: re.Match[str]) -> str:
@@ -130,7 +168,9 @@ class _Parser:
                 return "$"
             var = match.group(2)
             if var not in self.environ:
-                self.error(key, f"environment variable {var} is not set")
+                if self.needs.wants(key, self.repository_format):
+                    self.error(key, f"environment variable {var} is not set")
+                self.unset_keys.add(key)
                 return ""
             return self.environ[var]
 
@@ -144,7 +184,9 @@ class _Parser:
         for key in raw:
             if key not in known:
                 self.error(key, f"unknown section; expected one of {', '.join(sorted(known))}")
-        server = self.table(raw, "server", {"listen", "workers"})
+        server = self.table(
+            raw, "server", {"listen", "workers", "access_log", "log_format", "tls_cert", "tls_key"}
+        )
         database = self.table(raw, "database", {"url"})
         storage = self.table(raw, "storage", {"path", "min_free", "max_size", "low_watermark"})
         upstream = self.table(
@@ -174,6 +216,11 @@ class _Parser:
         listen = self.environ.get("PROXY_LISTEN") or self.value(server, "server", "listen", Text())
         host, port = self.listen(listen or DEFAULT_LISTEN, "server.listen")
         workers = self.value(server, "server", "workers", Integer(1, 256), DEFAULT_WORKERS)
+        access_log = self.value(server, "server", "access_log", Flag(), DEFAULT_ACCESS_LOG)
+        log_format = self.value(
+            server, "server", "log_format", Choice(*LOG_FORMATS), DEFAULT_LOG_FORMAT
+        )
+        tls = self.tls(server, source)
 
         storage_path = self.environ.get("PROXY_STORAGE_PATH") or self.value(
             storage, "storage", "path", Text()
@@ -311,6 +358,9 @@ class _Parser:
             source=source,
             storage=storage_settings,
             mirrors=mirrors,
+            access_log=access_log,
+            log_format=log_format,
+            tls=tls,
         )
 
     # -- repositories -------------------------------------------------------------
@@ -361,6 +411,15 @@ class _Parser:
         if fmt not in formats.REGISTRY:
             self.error(f"{where}.format", f"{fmt!r} is not one of {', '.join(formats.REGISTRY)}")
             return None
+        self.repository_format = fmt
+        try:
+            return self._repository_options(raw, name, where, fmt)
+        finally:
+            self.repository_format = None
+
+    def _repository_options(
+        self, raw: dict[str, Any], name: str, where: str, fmt: str
+    ) -> RepositorySettings[Any] | None:
         plugin = formats.plugin(fmt)
         declared = list(options_of(plugin.options))
         allowed = {option.key for _, option, _ in declared} | {"name", "format"}
@@ -535,6 +594,39 @@ class _Parser:
         parsed = kind.parse(table[name], f"{where}.{name}", self)
         return default if parsed is None else parsed
 
+    def tls(self, server: dict[str, Any], source: str) -> TlsSettings | None:
+        """``tls_cert`` and ``tls_key``, both or neither; the pair must load (a wrong
+        key, an encrypted key or a file that is not PEM is named here, not at the first
+        client's handshake). Paths are relative to the config file."""
+        cert = self.value(server, "server", "tls_cert", Text())
+        key = self.value(server, "server", "tls_key", Text())
+        if not cert and not key:
+            return None
+        if not cert or not key:
+            missing, given = ("tls_key", "tls_cert") if cert else ("tls_cert", "tls_key")
+            self.error(f"server.{missing}", f"is required when server.{given} is set")
+            return None
+        base = Path(source).resolve().parent if source != "embedded defaults" else Path.cwd()
+        paths = {}
+        for name, text in (("tls_cert", cert), ("tls_key", key)):
+            path = Path(text) if Path(text).is_absolute() else base / text
+            if not path.is_file():
+                self.error(f"server.{name}", f"{text!r}: no such file")
+            paths[name] = path
+        if not all(path.is_file() for path in paths.values()):
+            return None
+        try:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(paths["tls_cert"], paths["tls_key"], password=_no_password)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            self.error(
+                "server.tls_cert",
+                f"{cert!r} with server.tls_key {key!r} cannot be loaded ({exc}); use a PEM "
+                "certificate and its unencrypted PEM private key",
+            )
+            return None
+        return TlsSettings(cert=paths["tls_cert"], key=paths["tls_key"])
+
     def listen(self, value: str, key: str) -> tuple[str, int]:
         host, sep, port_text = value.rpartition(":")
         host = host.strip("[]")
@@ -560,6 +652,11 @@ class _Parser:
                 key,
                 f"{redact_url(value)!r}: the scheme must be sqlite:/// or postgresql://",
             )
+
+
+def _no_password() -> str:
+    # An encrypted key would make OpenSSL prompt on the terminal; refuse it instead.
+    raise ValueError("the private key is encrypted")
 
 
 def _no_checks(options: object) -> list[tuple[str, str]]:

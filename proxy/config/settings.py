@@ -20,6 +20,9 @@ from proxy.units import format_duration, format_size
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_STORAGE_PATH = "./data"
 DEFAULT_WORKERS = 1
+DEFAULT_ACCESS_LOG = True  # one line per request, as uvicorn and nginx do by default
+LOG_FORMATS = ("text", "json")
+DEFAULT_LOG_FORMAT = "text"
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_RETRIES = 2
@@ -77,6 +80,14 @@ class RepositorySettings(Generic[OptionsT]):
         """What an operator sets to give this repository an upstream (for messages)."""
         env_var = upstream_env_var(self.name)
         return f"repositories.{self.name}.upstream (or the environment variable {env_var})"
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """``server.tls_cert`` / ``server.tls_key``: HTTPS without a load balancer."""
+
+    cert: Path  # PEM: the certificate, then any intermediates
+    key: Path  # PEM: its private key (unencrypted)
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,17 @@ class Settings:
     source: str = "embedded defaults"
     storage: StorageSettings = field(default_factory=StorageSettings)
     mirrors: tuple[MirrorSettings, ...] = ()
+    access_log: bool = DEFAULT_ACCESS_LOG
+    log_format: str = DEFAULT_LOG_FORMAT
+    tls: TlsSettings | None = None
+
+    @property
+    def base_url(self) -> str:
+        """This proxy's own address as clients would type it (for messages and the
+        console's install guide)."""
+        scheme = "https" if self.tls is not None else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
 
     def repository(self, name: str) -> RepositorySettings[Any] | None:
         for repo in self.repositories:
@@ -166,6 +188,16 @@ class Settings:
             "[server]",
             f"listen = {toml_string(f'{self.host}:{self.port}')}",
             f"workers = {self.workers}",
+            f"access_log = {'true' if self.access_log else 'false'}",
+            f"log_format = {toml_string(self.log_format)}",
+            *(
+                [
+                    f"tls_cert = {toml_string(str(self.tls.cert))}",
+                    f"tls_key = {toml_string(str(self.tls.key))}",
+                ]
+                if self.tls is not None
+                else ["# tls_cert and tls_key are not set: plain HTTP"]
+            ),
             "[database]",
             f"url = {toml_string(self.database_url)}",
             "[storage]",

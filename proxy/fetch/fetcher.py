@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from proxy.cache.index import EntryIndex
 from proxy.catalog import Catalog, Entry, StreamInfo
@@ -34,15 +34,33 @@ from proxy.exceptions import (
 from proxy.fetch.download import Download
 from proxy.fetch.leases import HeldLease, LeaseCoordinator, Verdict
 from proxy.fetch.transfer import LocalFile, SharedFile, Source, Transfer
+from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.tasks import TaskSupervisor
 from proxy.storage.blobs import BlobStore, storage_error
 from proxy.types import KNOWN_DIGESTS, Kind, Validators
+from proxy.upstream.client import traced
 
 log = logging.getLogger("proxy.fetch")
 
 INLINE_BODY_LIMIT_BYTES = 64 * 1024 * 1024  # bodies never stored (TTL 0) are held in memory
 _TEMP_NAME_RE = re.compile(r"[0-9a-f]{32}\.part")
+
+
+def under_current_ttl(entry: Entry, spec: FetchSpec) -> Entry:
+    """``entry`` with the expiry today's settings give it: stored metadata and negative
+    entries are fresh for the current ``metadata_ttl``/``negative_ttl`` from when they
+    were fetched, not for the TTL they were stored under, so a changed TTL governs what
+    is stored at once (freshness, and the max-age clients are told)."""
+    if entry.kind is Kind.METADATA and spec.ttl_s is not None:
+        expires_at_ms = entry.fetched_at_ms + int(spec.ttl_s * 1000)
+    elif entry.kind is Kind.NEGATIVE:
+        expires_at_ms = entry.fetched_at_ms + int(spec.negative_ttl_s * 1000)
+    else:
+        return entry
+    if expires_at_ms == entry.expires_at_ms:
+        return entry
+    return replace(entry, expires_at_ms=expires_at_ms)
 
 
 @dataclass(frozen=True)
@@ -311,7 +329,10 @@ class Fetcher:
 
     async def _find_fresh(self, miss: Miss) -> Entry | None:
         entry = await self.catalog.get_entry(miss.repository, miss.key)
-        return entry if entry is not None and entry.is_fresh(self.clock.now_ms()) else None
+        if entry is None:
+            return None
+        entry = under_current_ttl(entry, miss.spec)
+        return entry if entry.is_fresh(self.clock.now_ms()) else None
 
     def _serve_stale(self, miss: Miss, stale: Entry, reason: str, flight: _Flight) -> None:
         metrics.STALE_SERVED.labels(repository=miss.repository).inc()
@@ -332,60 +353,62 @@ class Fetcher:
         state = "released"
         outcome = "error"
         validators = Validators(stale.etag, stale.last_modified) if stale is not None else None
-        try:
-            async with spec.origin.open(miss.context, validators) as fetched:
-                if fetched.status is Status.NOT_MODIFIED and stale is not None:
-                    fetched_at = self.clock.now_ms()
-                    entry = stale.refreshed(
-                        fetched_at,
-                        spec.expires_at_ms(fetched_at),
-                        fetched.validators.etag,
-                        fetched.validators.last_modified,
-                    )
-                    await self.catalog.refresh_entry(entry)
-                    self.index.put(entry)
-                    flight.settle(Stored(entry))
-                    outcome = "not_modified"
-                elif fetched.status is Status.NOT_MODIFIED:
-                    raise UpstreamUnavailable(
-                        f"{spec.key}: upstream answered 304 to an unconditional GET"
-                    )
-                elif fetched.status is Status.NOT_FOUND:
-                    await self._store_negative(miss)
-                    flight.settle(Missing(fetched.message or f"{spec.key} not found upstream"))
-                    outcome = "not_found"
-                elif not spec.storable:
-                    body = await _read_all(fetched)
-                    flight.settle(Inline(body, fetched.content_type))
-                    outcome = "passed_through"
+        with traced() as urls:
+            try:
+                async with spec.origin.open(miss.context, validators) as fetched:
+                    if fetched.status is Status.NOT_MODIFIED and stale is not None:
+                        fetched_at = self.clock.now_ms()
+                        entry = stale.refreshed(
+                            fetched_at,
+                            spec.expires_at_ms(fetched_at),
+                            fetched.validators.etag,
+                            fetched.validators.last_modified,
+                        )
+                        await self.catalog.refresh_entry(entry)
+                        self.index.put(entry)
+                        flight.settle(Stored(entry))
+                        outcome = "not_modified"
+                    elif fetched.status is Status.NOT_MODIFIED:
+                        raise UpstreamUnavailable(
+                            f"{spec.key}: upstream answered 304 to an unconditional GET"
+                        )
+                    elif fetched.status is Status.NOT_FOUND:
+                        await self._store_negative(miss)
+                        flight.settle(Missing(fetched.message or f"{spec.key} not found upstream"))
+                        outcome = "not_found"
+                    elif not spec.storable:
+                        body = await _read_all(fetched)
+                        flight.settle(Inline(body, fetched.content_type))
+                        outcome = "passed_through"
+                    else:
+                        await self._store_body(miss, fetched, flight, held)
+                        outcome = "stored"
+                state = "done"
+            except UpstreamError as exc:
+                state = "failed"
+                if isinstance(exc, DigestMismatch):
+                    metrics.DIGEST_MISMATCHES.labels(repository=miss.repository).inc()
+                log.warning(
+                    "fetch failed repository=%s key=%s error=%s", miss.repository, spec.key, exc
+                )
+                if stale is not None and stale.kind is Kind.METADATA:
+                    self._serve_stale(miss, stale, str(exc), flight)
                 else:
-                    await self._store_body(miss, fetched, flight, held)
-                    outcome = "stored"
-            state = "done"
-        except UpstreamError as exc:
-            state = "failed"
-            if isinstance(exc, DigestMismatch):
-                metrics.DIGEST_MISMATCHES.labels(repository=miss.repository).inc()
-            log.warning(
-                "fetch failed repository=%s key=%s error=%s", miss.repository, spec.key, exc
-            )
-            if stale is not None and stale.kind is Kind.METADATA:
-                self._serve_stale(miss, stale, str(exc), flight)
-            else:
-                raise
-        finally:
-            metrics.UPSTREAM_FETCH_DURATION.labels(
-                repository=miss.repository, outcome=outcome
-            ).observe(self.clock.monotonic() - started)
-            if held is not None:
-                await held.release(state)
+                    raise
+            finally:
+                metrics.UPSTREAM_FETCH_DURATION.labels(
+                    repository=miss.repository, outcome=outcome
+                ).observe(self.clock.monotonic() - started)
+                if held is not None:
+                    await held.release(state)
         log.info(
-            "fetch repository=%s key=%s outcome=%s duration=%.3fs lease=%s",
+            "fetch repository=%s key=%s outcome=%s duration=%.3fs lease=%s upstream=%s",
             miss.repository,
             spec.key,
             outcome,
             self.clock.monotonic() - started,
             held.fence if held else "none",
+            redact(urls[-1]) if urls else "-",
         )
 
     async def _store_negative(self, miss: Miss) -> None:

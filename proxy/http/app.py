@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as StarletteRequest
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
@@ -36,6 +37,7 @@ from proxy.exceptions import (
     describe_os_error,
 )
 from proxy.http import responses
+from proxy.http.access_log import AccessLogMiddleware
 from proxy.http.paths import check_headers, split_path
 from proxy.http.semantics import retry_after_header
 from proxy.redaction import redact
@@ -113,6 +115,7 @@ def create_app(
             Route("/metrics", metrics_endpoint, methods=["GET"]),
             Route("/{path:path}", Dispatcher()),
         ],
+        middleware=[Middleware(AccessLogMiddleware)],
         lifespan=lifespan,
     )
 

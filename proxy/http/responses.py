@@ -18,6 +18,7 @@ from proxy.catalog import Entry
 from proxy.contract import Request
 from proxy.fetch.download import SEND_CHUNK_BYTES
 from proxy.fetch.transfer import Transfer
+from proxy.http.access_log import note_sent
 from proxy.http.protocol import SENDFILE_EXTENSION, SocketFileSender
 from proxy.http.semantics import (
     etag_of,
@@ -171,6 +172,7 @@ class DownloadResponse:
                     sent = sender.try_send(fd, reader.offset, span.end - reader.offset)
                     if sent:
                         reader.sent(sent)
+                        note_sent(sent)
                         continue
                 data = await reader.read(span, SEND_CHUNK_BYTES)
                 if data:

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import FrameType
 
 from proxy.config.settings import Settings
@@ -83,7 +84,19 @@ def connection_limit(open_files: int) -> int:
     return max(16, (open_files - FD_RESERVE) // FDS_PER_CONNECTION)
 
 
-def serve(settings: Settings, workers: int, access_log: bool, log_level: str) -> int:
+@dataclass(frozen=True)
+class LogOptions:
+    """How every process of the server logs (passed on to spawned workers)."""
+
+    level: str = "info"
+    format: str = "text"
+    access: bool = True
+
+    def configure(self) -> None:
+        configure_logging(self.level, self.format, self.access)
+
+
+def serve(settings: Settings, workers: int, logs: LogOptions) -> int:
     """Serve until SIGTERM/SIGINT; the process's exit status."""
     before, now = raise_open_files_limit()
     raised = f" (raised from {before})" if now != before else ""
@@ -101,17 +114,20 @@ def serve(settings: Settings, workers: int, access_log: bool, log_level: str) ->
             "open files limit %s%s: at most %d connections per process", now, raised, connections
         )
     sock = bind(settings.host, settings.port)
+    log.info(
+        "listening on %s with %d worker%s (access log %s)",
+        settings.base_url,
+        workers,
+        "" if workers == 1 else "s",
+        "on" if logs.access else "off",
+    )
     if workers == 1:
-        return run_process(settings, sock, access_log, log_level)
-    return supervise(settings, sock, workers, access_log, log_level)
+        return run_process(settings, sock, logs)
+    return supervise(settings, sock, workers, logs)
 
 
 def run_process(
-    settings: Settings,
-    sock: socket.socket,
-    access_log: bool,
-    log_level: str,
-    parent_pid: int | None = None,
+    settings: Settings, sock: socket.socket, logs: LogOptions, parent_pid: int | None = None
 ) -> int:
     """Serve on ``sock`` in this process until a signal (or the parent's death)."""
     import uvicorn
@@ -121,14 +137,17 @@ def run_process(
 
     shutdown = ShutdownSignal()
     open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    tls = settings.tls
     config = uvicorn.Config(
         create_app(settings, shutdown=shutdown),
         loop="uvloop",
         http=GuardedHttpToolsProtocol,
         lifespan="on",
-        access_log=access_log,
+        access_log=False,  # ours (http/access_log.py) says what the cache did, too
         log_config=None,
-        log_level=log_level,
+        log_level=logs.level,
+        ssl_certfile=str(tls.cert) if tls is not None else None,
+        ssl_keyfile=str(tls.key) if tls is not None else None,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
         server_header=False,
@@ -155,9 +174,7 @@ def run_process(
     return 0 if server.started else STARTUP_FAILED
 
 
-def supervise(
-    settings: Settings, sock: socket.socket, workers: int, access_log: bool, log_level: str
-) -> int:
+def supervise(settings: Settings, sock: socket.socket, workers: int, logs: LogOptions) -> int:
     """Run ``workers`` processes on one socket; forward signals; replace dead workers.
 
     The first SIGTERM/SIGINT is passed on as SIGTERM (a clean stop); a second SIGINT
@@ -167,7 +184,7 @@ def supervise(
     """
     metrics_dir, owned = _prepare_metrics_dir()
     context = multiprocessing.get_context("spawn")
-    args = (settings, sock, access_log, log_level, os.getpid())
+    args = (settings, sock, logs, os.getpid())
 
     def start() -> multiprocessing.process.BaseProcess:
         process = context.Process(target=_worker_main, args=args, name="proxy-worker")
@@ -224,11 +241,11 @@ def supervise(
 
 
 def _worker_main(
-    settings: Settings, sock: socket.socket, access_log: bool, log_level: str, parent_pid: int
+    settings: Settings, sock: socket.socket, logs: LogOptions, parent_pid: int
 ) -> None:
     os.setpgrp()  # a terminal's Ctrl+C goes to the supervisor, which passes it on once
-    configure_logging(log_level)
-    raise SystemExit(run_process(settings, sock, access_log, log_level, parent_pid))
+    logs.configure()
+    raise SystemExit(run_process(settings, sock, logs, parent_pid))
 
 
 @contextlib.contextmanager

@@ -52,6 +52,16 @@ class MirrorSummary:
         if outcome == "fetched":
             self.bytes += size
 
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "fetched": self.fetched,
+            "cached": self.cached,
+            "missing": self.missing,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "bytes": self.bytes,
+        }
+
     def line(self) -> str:
         return (
             f"{self.fetched} fetched ({human_size(self.bytes)}), {self.cached} already cached, "
@@ -101,6 +111,29 @@ class Mirrors:
         # Repository name -> why it has no upstream (the engine's own check, which
         # requests pass through and mirrors, calling adapters directly, would not).
         self.not_configured = not_configured
+
+    def supported_types(self, repository: str | None = None) -> list[str]:
+        """The purl types some repository here (or ``repository``) mirrors."""
+        found: list[str] = []
+        for repo, types in self.purl_types.items():
+            if repository in (None, repo):
+                found += [t for t in types if t not in found]
+        return found
+
+    def unsupported(self, purls: Iterable[str], repository: str | None = None) -> list[str]:
+        """A message for each purl whose type no repository here mirrors, naming the
+        types that are (a purl given by hand is an error, not an item to skip)."""
+        supported = self.supported_types(repository)
+        messages = []
+        for text in purls:
+            purl_type = parse_purl(text).type
+            if purl_type not in supported:
+                where = f"repository {repository!r}" if repository else "no repository here"
+                messages.append(
+                    f"{text}: {where} mirrors purl type {purl_type!r}; supported: "
+                    + (", ".join(supported) or "none (no repository mirrors packages)")
+                )
+        return messages
 
     def job(self, mirror: MirrorSettings) -> Callable[[], Awaitable[str]]:
         async def run() -> str:
@@ -203,10 +236,12 @@ class Mirrors:
             ]
             if not serving:
                 log.warning(
-                    "mirror %s: %s: no repository here mirrors purl type %r; skipped",
+                    "mirror %s: %s: no repository here mirrors purl type %r (supported: %s); "
+                    "skipped",
                     name,
                     package,
                     package.type,
+                    ", ".join(self.supported_types(repository)) or "none",
                 )
                 progress.planned(1)
                 count(str(package), "skipped")

@@ -31,8 +31,9 @@ import logging
 import random
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from urllib.parse import urljoin, urlsplit
 
 import httpcore
@@ -75,6 +76,25 @@ USER_AGENT = f"artifact-proxy/{__version__}"
 UPSTREAM_READ_BYTES = 1024 * 1024
 if hasattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES"):
     httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = UPSTREAM_READ_BYTES
+
+
+# The URLs answers came from, for the fetch that is running (``traced``): a fetch's log
+# line and its entry name the upstream URL whatever the format asked for.
+_TRACE: ContextVar[list[str] | None] = ContextVar("proxy_upstream_trace", default=None)
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[list[str]]:
+    """Collect the final URL (after redirects, without credentials) of every upstream
+    request opened in this block (checksum requests riding ``beside`` excepted), in
+    order. Tasks started inside it (another key fetched through the cache) trace their
+    own block; requests they make outside one land here."""
+    urls: list[str] = []
+    token = _TRACE.set(urls)
+    try:
+        yield urls
+    finally:
+        _TRACE.reset(token)
 
 
 def build_client(settings: UpstreamSettings) -> httpx.AsyncClient:
@@ -241,6 +261,9 @@ class Upstream:
                         method = "GET"
                     continue
                 answer = UpstreamAnswer(response, url, self, deadline)
+                trace = _TRACE.get()
+                if trace is not None and beside is None:
+                    trace.append(url)
                 try:
                     yield answer
                 finally:

@@ -1,0 +1,120 @@
+"""The access log: one line per request (method, path, status, bytes sent, duration,
+cache outcome), on the ``proxy.access`` logger, as text or JSON (``runtime/logs.py``).
+
+The dispatcher opens an ``Exchange`` per request and makes it the current one (a
+context variable: every request runs in a task of its own); the cache notes what it
+did (``note_outcome``: hit, miss, stale, negative...) and a response sent with
+``sendfile`` notes the bytes that did not pass through ``send``. The line is formatted
+by the logging handler, only when it is emitted (docs/architecture.md, "Operating:
+console, API and logs").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+
+from proxy.redaction import redact_url
+from proxy.runtime.logs import ACCESS_LOGGER
+from proxy.types import Message, Receive, Scope, Send
+
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger(ACCESS_LOGGER)
+
+ACCESS_LINE = '%s "%s %s" %d %d %.1fms %s'  # client, method, path, status, bytes, ms, cache
+
+
+class Exchange:
+    """What one request did, as the access log reports it."""
+
+    __slots__ = ("cache", "sent", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.sent = 0
+        self.cache = "-"  # no cache involved (a health check, an error before lookup)
+
+
+CURRENT: ContextVar[Exchange | None] = ContextVar("proxy_exchange", default=None)
+
+
+def note_outcome(outcome: str) -> None:
+    """The cache's part in the current request: hit, miss, stale, negative, upload..."""
+    exchange = CURRENT.get()
+    if exchange is not None:
+        exchange.cache = outcome
+
+
+def note_sent(n_bytes: int) -> None:
+    """Body bytes sent around ``send`` (sendfile)."""
+    exchange = CURRENT.get()
+    if exchange is not None:
+        exchange.sent += n_bytes
+
+
+def enabled() -> bool:
+    return log.isEnabledFor(logging.INFO)
+
+
+def write(
+    client: str, method: str, path: str, query: bytes, exchange: Exchange, seconds: float
+) -> None:
+    if query:
+        path = f"{path}?{query.decode('latin-1')}"
+    if "=" in path or "@" in path:
+        path = redact_url(path)  # a relative URL: its query's secrets are masked
+    log.info(
+        ACCESS_LINE,
+        client,
+        method,
+        path,
+        exchange.status,
+        exchange.sent,
+        seconds * 1000,
+        exchange.cache,
+    )
+
+
+class AccessLogMiddleware:
+    """Writes the access line of every HTTP request the app answers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not enabled():
+            await self.app(scope, receive, send)
+            return
+        exchange = Exchange()
+        CURRENT.set(exchange)  # this request's task has a context of its own
+        started = time.perf_counter()
+
+        async def sending(message: Message) -> None:
+            kind = message["type"]
+            if kind == "http.response.body":
+                exchange.sent += len(message.get("body", b""))
+            elif kind == "http.response.start":
+                exchange.status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except BaseException:
+            if not exchange.status:
+                exchange.status = 500
+            raise
+        finally:
+            client = scope.get("client")
+            raw_path = scope.get("raw_path")
+            path = raw_path.decode("latin-1") if raw_path else scope["path"]
+            write(
+                client[0] if client else "-",
+                scope["method"],
+                path,
+                scope.get("query_string", b""),
+                exchange,
+                time.perf_counter() - started,
+            )

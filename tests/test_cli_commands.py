@@ -1,0 +1,176 @@
+"""The commands as a new user meets them: help, descriptions, -c everywhere, --json,
+read-only commands that never create a catalog, settings a command does not read."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_config
+
+COMMANDS = ("serve", "check-config", "migrate", "gc", "stats", "mirror", "jobs")
+
+
+def run(
+    cwd: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        cwd=cwd,
+        env={**clean, "PYTHONPATH": str(Path.cwd()), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_proxy_alone_prints_help(tmp_path: Path) -> None:
+    done = run(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "usage: proxy" in done.stdout
+    for command in COMMANDS:
+        assert command in done.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_a_description_and_c_config(tmp_path: Path, command: str) -> None:
+    done = run(tmp_path, command, "--help")
+    assert done.returncode == 0, done.stderr
+    _usage, _, rest = done.stdout.partition("\n\n")
+    description = rest.split("\n\n")[0]
+    assert len(description.split()) >= 5, f"{command} has no description: {done.stdout}"
+    assert "-c FILE, --config FILE" in done.stdout
+
+
+def test_stats_never_creates_a_catalog(tmp_path: Path) -> None:
+    done = run(tmp_path, "stats")
+    assert done.returncode == 1
+    assert "no catalog at data/proxy.db" in done.stderr and "-c/--config" in done.stderr
+    assert not (tmp_path / "data").exists()
+    jobs = run(tmp_path, "jobs")
+    assert jobs.returncode == 1 and "no catalog" in jobs.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_stats_and_jobs_print_json_and_human_sizes(tmp_path: Path) -> None:
+    config = write_config(tmp_path, f'[storage]\npath = "{tmp_path / "data"}"\n')
+    assert run(tmp_path, "migrate", "-c", str(config)).returncode == 0
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "data" / "proxy.db")
+    db.execute(
+        "INSERT INTO entries (repository, key, kind, sha256, size, fetched_at_ms,"
+        " last_access_ms) VALUES ('pypi', 'files/a/a-1.whl', 'immutable', 'x', 21028425, 1, 1)"
+    )
+    db.commit()
+    db.close()
+    table = run(tmp_path, "stats", "-c", str(config))
+    assert table.returncode == 0, table.stderr
+    assert "20.1 MiB" in table.stdout and "21028425" not in table.stdout
+    document = json.loads(run(tmp_path, "stats", "--json", "-c", str(config)).stdout)
+    [pypi] = [r for r in document["repositories"] if r["repository"] == "pypi"]
+    assert pypi == {"repository": "pypi", "format": "pypi", "entries": 1, "bytes": 21028425}
+    jobs = json.loads(run(tmp_path, "jobs", "--json", "-c", str(config)).stdout)
+    names = {job["name"] for job in jobs["jobs"]}
+    assert {"reclaim", "evict"} <= names
+    assert all(job["next_due_ms"] is not None for job in jobs["jobs"])
+
+
+def test_commands_need_only_the_settings_they_read(tmp_path: Path) -> None:
+    """An unset ${VAR} of the build cache's password does not stop `proxy mirror` or
+    `proxy stats`; `serve` and `check-config` still need it, and say so once."""
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "http://127.0.0.1:9/simple/"
+        [[repositories]]
+        name = "gradle-cache"
+        format = "gradle-build-cache"
+        [repositories.users.ci]
+        password = "${{UNSET_BUILD_CACHE_PASSWORD}}"
+        role = "write"
+        """,
+    )
+    check = run(tmp_path, "check-config", "-c", str(config))
+    assert check.returncode == 2
+    errors = [line for line in check.stderr.splitlines() if line.startswith("  ")]
+    assert errors == [
+        "  repositories.gradle-cache.users.ci.password: environment variable "
+        "UNSET_BUILD_CACHE_PASSWORD is not set"
+    ]
+    assert run(tmp_path, "migrate", "-c", str(config)).returncode == 0
+    assert run(tmp_path, "stats", "-c", str(config)).returncode == 0
+    # The mirror reaches its upstream (nothing listens on port 9): a failed item, not a
+    # configuration error.
+    mirror = run(tmp_path, "mirror", "-c", str(config), "pkg:pypi/requests@2.32.3")
+    assert "configuration errors" not in mirror.stderr
+    assert "1 failed" in mirror.stdout
+
+
+def test_a_mirrored_section_still_needs_its_variables(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        """
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "${UNSET_PYPI_UPSTREAM}"
+        """,
+    )
+    mirror = run(tmp_path, "mirror", "-c", str(config), "pkg:pypi/requests@2.32.3")
+    assert mirror.returncode == 2
+    assert "repositories.pypi.upstream" in mirror.stderr and "UNSET_PYPI_UPSTREAM" in mirror.stderr
+
+
+def test_unsupported_purls_are_an_error_naming_the_supported_types(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "http://127.0.0.1:9/simple/"
+        [[repositories]]
+        name = "maven"
+        format = "maven"
+        upstream = "http://127.0.0.1:9/m2/"
+        """,
+    )
+    done = run(tmp_path, "mirror", "-c", str(config), "pkg:npm/left-pad@1.3.0")
+    assert done.returncode == 1
+    assert "pkg:npm/left-pad@1.3.0" in done.stderr and "'npm'" in done.stderr
+    assert "supported: pypi, maven" in done.stderr
+
+
+def test_mirror_json_output(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [upstream]
+        retries = 0
+        connect_timeout = "1s"
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "http://127.0.0.1:9/simple/"
+        """,
+    )
+    done = run(tmp_path, "mirror", "--json", "-c", str(config), "pkg:pypi/requests@2.32.3")
+    assert done.returncode == 1
+    summary = json.loads(done.stdout)
+    assert summary["failed"] == 1 and summary["fetched"] == 0
