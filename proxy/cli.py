@@ -229,7 +229,7 @@ async def _migrate(settings: Settings, quiet: bool = False) -> int:
     from proxy.catalog import open_catalog
     from proxy.exceptions import CatalogError
 
-    catalog = open_catalog(settings.database_url)
+    catalog = open_catalog(settings.database_url, connections=settings.database)
     try:
         applied = await catalog.migrate()
     except CatalogError as exc:
@@ -249,7 +249,7 @@ async def _gc(settings: Settings) -> int:
     from proxy.jobs.reclaim import Reclaim
     from proxy.storage.blobs import BlobStore
 
-    catalog = open_catalog(settings.database_url)
+    catalog = open_catalog(settings.database_url, connections=settings.database)
     try:
         await catalog.migrate()
         blobs = BlobStore(settings.storage_path)
@@ -288,7 +288,7 @@ async def _stats(settings: Settings, as_json: bool) -> int:
     if missing:
         print(missing, file=sys.stderr)
         return 1
-    catalog = open_catalog(settings.database_url)
+    catalog = open_catalog(settings.database_url, connections=settings.database)
     rows: list[dict[str, str | int]] = []
     try:
         for repo in settings.repositories:

@@ -103,7 +103,7 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
     install_io_executor(asyncio.get_running_loop())
     blobs = BlobStore(settings.storage_path)
     await run_blocking(blobs.prepare)
-    catalog = open_catalog(settings.database_url, clock)
+    catalog = open_catalog(settings.database_url, clock, connections=settings.database)
     try:
         applied = await catalog.migrate()
         if applied:

@@ -17,6 +17,7 @@
     │   ├── UpstreamUnavailable  502/503 (connection refused, 5xx, 429)
     │   └── DigestMismatch     502: bytes do not match the listed digest
     ├── CatalogError           the database failed (sqlite3/asyncpg errors, translated)
+    │   └── JobLockLost        a job pass's lock went with its connection: pass stopped
     └── StorageError           the blob store failed (disk full, shared volume gone): 503
 
 Foreign errors are translated once, at the boundary, with ``raise ... from exc``:
@@ -140,6 +141,11 @@ class DigestMismatch(UpstreamError):
 
 class CatalogError(ProxyError):
     status = 503
+
+
+class JobLockLost(CatalogError):
+    """The connection that held a job's lock is gone, so the lock is too: the pass was
+    stopped, since another replica may already run the job."""
 
 
 class StorageError(ProxyError):

@@ -374,7 +374,7 @@ def test_dropped_listener_connection_is_replaced(
             return int(
                 await conn.fetchval(
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'proxy-lease-listener'"
+                    "WHERE application_name = 'proxy-session'"
                 )
             )
         finally:
@@ -392,8 +392,9 @@ def test_dropped_listener_connection_is_replaced(
 
     results = asyncio.run(scenario())
     assert [status for status, _, _ in results] == [200, 200]
-    assert "lease notification connection lost" in waiter.log()
-    assert waiter.log().count("listening for lease notifications") >= 2
+    assert "database session connection lost" in waiter.log()
+    assert "database session connection back after" in waiter.log()
+    assert waiter.metric("proxy_database_reconnects_total", connection="session") >= 1
     assert waiter.metric("proxy_fetch_lease_notifications_total") >= 1
 
 

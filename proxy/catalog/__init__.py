@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from proxy.clock import SYSTEM_CLOCK, Clock
+from proxy.config.settings import DatabaseSettings
 from proxy.types import Digests, Kind, Link, LinkBatch
 
 LEASE_STATES = ("fetching", "done", "failed", "released")
@@ -265,8 +266,17 @@ class Catalog(Protocol):
         ...
 
     # -- notifications ------------------------------------------------------------------
-    async def listen_leases(self, on_notify: Callable[[str], None]) -> None:
-        """Deliver lease transitions (the lease key) until cancelled; polls back it up."""
+    async def listen_leases(
+        self,
+        on_notify: Callable[[str], None],
+        on_listening: Callable[[bool], None] | None = None,
+    ) -> None:
+        """Deliver lease transitions (``on_notify(payload)``) until cancelled.
+
+        ``on_listening(True)`` once notifications are being received (again, after a
+        reconnect), ``on_listening(False)`` when they may be missed: waiters poll at the
+        lease's renewal pace only in between. A backend without notifications never
+        calls it, and its waiters poll at ``leases.poll_interval``."""
         ...
 
 
@@ -310,12 +320,16 @@ def entry_to_row(entry: Entry) -> tuple[Any, ...]:
 
 
 def open_catalog(
-    database_url: str, clock: Clock = SYSTEM_CLOCK, migrations_root: Path | None = None
+    database_url: str,
+    clock: Clock = SYSTEM_CLOCK,
+    migrations_root: Path | None = None,
+    connections: DatabaseSettings | None = None,
 ) -> Catalog:
     """The catalog for ``database_url`` (``sqlite:///PATH`` or ``postgresql://...``).
 
     ``clock`` is the SQLite catalog's clock for leases and job runs; Postgres judges
-    those by its own clock, so one database always has one clock.
+    those by its own clock, so one database always has one clock. ``connections``:
+    Postgres's pool size, idle timeout and session URL.
     """
     root = migrations_root or migrations_dir()
     if database_url.startswith("sqlite:"):
@@ -324,7 +338,7 @@ def open_catalog(
         return SqliteCatalog(sqlite_path(database_url), root / "sqlite", clock)
     from proxy.catalog.postgres import PostgresCatalog
 
-    return PostgresCatalog(database_url, root / "postgres", clock)
+    return PostgresCatalog(database_url, root / "postgres", clock, connections)
 
 
 def sqlite_path(database_url: str) -> Path:

@@ -1,19 +1,26 @@
-"""The fleet catalog: Postgres through an asyncpg pool.
+"""The fleet catalog: Postgres through an asyncpg pool, plus one session connection.
 
 Lease statements use ``clock_timestamp()`` (never ``now()``, which is the start of the
 transaction), so the database clock is the only clock leases depend on. Migrations run
 in one transaction under an advisory lock, so replicas started together on an empty
 database all come up and the schema is applied once. Lease transitions are announced
-with NOTIFY by a trigger; ``listen_leases`` keeps a dedicated connection listening and
-reconnects when it drops.
+with NOTIFY by a trigger.
+
+Pooled connections only ever run single statements and managed transactions: no
+LISTEN, no session lock, no SET, no named prepared statement (asyncpg's statement
+cache is off). So the pool may be a transaction-mode PgBouncer, and a connection goes
+back to the pool without a reset statement. What needs a session (LISTEN, the job
+locks) is on the ``SessionConnection`` (docs/architecture.md, "The catalog's
+connections").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +29,22 @@ import asyncpg
 from proxy.catalog import migration_files
 from proxy.catalog.base import SqlCatalog
 from proxy.catalog.queries import load
+from proxy.catalog.session import DRIVER_ERRORS, SessionConnection, translated
 from proxy.clock import Clock
-from proxy.exceptions import CatalogError
+from proxy.config.settings import DatabaseSettings
+from proxy.exceptions import CatalogError, JobLockLost
+from proxy.runtime import metrics
 
 log = logging.getLogger("proxy.catalog")
 
 POOL_MIN_SIZE = 1
-POOL_MAX_SIZE = 20
 COMMAND_TIMEOUT_S = 10.0
 ACQUIRE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
-LISTENER_RETRY_MAX_S = 5.0
 NOTIFY_CHANNEL = "proxy_fetch_leases"
-LISTENER_APPLICATION_NAME = "proxy-lease-listener"
+APPLICATION_NAME = "proxy"
+SESSION_APPLICATION_NAME = "proxy-session"
 
-# InternalClientError: a pooled connection left in a broken state by a server restart
-# ("cannot switch to state 12; another operation is in progress").
-_DRIVER_ERRORS = (
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    OSError,
-    TimeoutError,
-)
 _CONNECTION_LOST = (
     asyncpg.ConnectionDoesNotExistError,
     asyncpg.InterfaceError,
@@ -55,24 +55,39 @@ _CONNECTION_LOST = (
 )
 
 
-@contextmanager
-def _translated(operation: str) -> Iterator[None]:
-    try:
-        yield
-    except _DRIVER_ERRORS as exc:
-        raise CatalogError(f"postgres {operation}: {type(exc).__name__}: {exc}") from exc
+class _PooledConnection(asyncpg.Connection):  # type: ignore[misc]
+    """A pooled connection: nothing of its session outlives a statement or a managed
+    transaction, so handing it back runs no reset (asyncpg's default reset is four
+    statements: unlock all, CLOSE ALL, UNLISTEN *, RESET ALL)."""
+
+    def get_reset_query(self) -> str:
+        return ""
 
 
 class PostgresCatalog(SqlCatalog):
     backend = "postgres"
     queries = load("postgres")
 
-    def __init__(self, dsn: str, migrations: Path, clock: Clock) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        migrations: Path,
+        clock: Clock,
+        connections: DatabaseSettings | None = None,
+    ) -> None:
         super().__init__(clock)
         self.dsn = dsn
         self.migrations = migrations
+        self.connections = connections or DatabaseSettings()
+        self.session = SessionConnection(
+            self.connections.session_url or dsn,
+            SESSION_APPLICATION_NAME,
+            CONNECT_TIMEOUT_S,
+            COMMAND_TIMEOUT_S,
+        )
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
+        self._job_locks: set[str] = set()  # held by passes of this process
         self._closed = False
 
     async def _get_pool(self) -> asyncpg.Pool:
@@ -81,21 +96,28 @@ class PostgresCatalog(SqlCatalog):
         if self._pool is None:
             async with self._pool_lock:
                 if self._pool is None:
-                    with _translated("connect"):
+                    size = self.connections.pool_size
+                    with translated("connect"):
                         self._pool = await asyncpg.create_pool(
                             self.dsn,
-                            min_size=POOL_MIN_SIZE,
-                            max_size=POOL_MAX_SIZE,
+                            min_size=min(POOL_MIN_SIZE, size),
+                            max_size=size,
+                            max_inactive_connection_lifetime=self.connections.idle_timeout_s,
                             command_timeout=COMMAND_TIMEOUT_S,
                             timeout=CONNECT_TIMEOUT_S,
-                            server_settings={"application_name": "proxy"},
+                            # Named prepared statements would be another client's
+                            # behind a transaction pooler; unnamed ones live within
+                            # one statement's round trips, which it keeps together.
+                            statement_cache_size=0,
+                            connection_class=_PooledConnection,
+                            server_settings={"application_name": APPLICATION_NAME},
                         )
         return self._pool
 
     @asynccontextmanager
     async def _connection(self, operation: str) -> AsyncIterator[asyncpg.Connection]:
         pool = await self._get_pool()
-        with _translated(operation):
+        with translated(operation):
             async with pool.acquire(timeout=ACQUIRE_TIMEOUT_S) as conn:
                 yield conn
 
@@ -116,6 +138,8 @@ class PostgresCatalog(SqlCatalog):
                 dead = isinstance(exc.__cause__, _CONNECTION_LOST)
                 if attempt == 2 or not dead:
                     raise
+                metrics.DATABASE_RECONNECTS.labels(connection="pool").inc()
+                log.warning("a pooled database connection was lost (%s); retrying", exc)
         raise AssertionError("unreachable")
 
     async def _fetchrow(self, name: str, *args: Any) -> Any:
@@ -155,10 +179,11 @@ class PostgresCatalog(SqlCatalog):
 
     async def close(self) -> None:
         self._closed = True
+        await self.session.close()
         if self._pool is not None:
             try:
                 await asyncio.wait_for(self._pool.close(), timeout=5)
-            except (TimeoutError, *_DRIVER_ERRORS):
+            except (TimeoutError, *DRIVER_ERRORS):
                 self._pool.terminate()
             self._pool = None
 
@@ -166,48 +191,67 @@ class PostgresCatalog(SqlCatalog):
 
     @asynccontextmanager
     async def job_lock(self, name: str) -> AsyncIterator[bool]:
-        # A session lock on a connection held for the whole pass: if this process dies,
-        # the server drops the connection and the lock with it.
-        async with self._connection("job_lock") as conn:
-            with _translated("job_lock"):
-                acquired = bool(await conn.fetchval(self.queries["try_job_lock"], name))
-            try:
-                yield acquired
-            finally:
-                if acquired:
-                    try:
-                        await conn.execute(self.queries["unlock_job"], name)
-                    except _DRIVER_ERRORS as exc:
-                        # The lock dies with the connection anyway; do not let this
-                        # replace the pass's own outcome (or its cancellation).
-                        log.warning("job %s: unlock failed: %s", name, exc)
+        """A session advisory lock on the session connection, for the whole pass.
+
+        It dies with the connection: the server releases it when the process dies, and
+        when the connection drops while the process lives on. Then the pass is
+        cancelled at once and ``JobLockLost`` raised in its place, since another
+        replica may take the lock and start the same job."""
+        if name in self._job_locks:
+            # A session lock is re-entrant: a second pass here would "get" it too.
+            yield False
+            return
+        acquired = bool(await self.session.fetchval("job_lock", self.queries["try_job_lock"], name))
+        if not acquired:
+            yield False
+            return
+        self._job_locks.add(name)
+        task = asyncio.current_task()
+        assert task is not None
+        lost = False
+
+        def on_loss() -> None:
+            nonlocal lost
+            lost = True
+            metrics.JOB_LOCKS_LOST.labels(job=name).inc()
+            task.cancel()
+
+        forget = self.session.on_loss(on_loss)
+        try:
+            yield True
+        except asyncio.CancelledError:
+            if not lost or task.uncancel() > 0:
+                raise  # a cancellation of its own (shutdown)
+            raise JobLockLost(
+                f"job {name}: the database session holding its lock was lost"
+            ) from None
+        else:
+            if lost:
+                # Lost after the pass's last await: the cancellation asked for lands here.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0)
+                task.uncancel()
+                raise JobLockLost(f"job {name}: the database session holding its lock was lost")
+        finally:
+            forget()
+            self._job_locks.discard(name)
+            if not lost:
+                try:
+                    await self.session.fetchval("job_unlock", self.queries["unlock_job"], name)
+                except CatalogError as exc:
+                    # The lock dies with the connection anyway; do not let this
+                    # replace the pass's own outcome (or its cancellation).
+                    log.warning("job %s: unlock failed: %s", name, exc)
 
     # -- notifications ------------------------------------------------------------------
 
-    async def listen_leases(self, on_notify: Callable[[str], None]) -> None:
-        """LISTEN on a dedicated connection; reconnect with backoff when it drops."""
-        delay_s = 0.1
-        while True:
-            lost = asyncio.Event()
-            conn: asyncpg.Connection | None = None
-            try:
-                conn = await asyncpg.connect(
-                    self.dsn,
-                    timeout=CONNECT_TIMEOUT_S,
-                    server_settings={"application_name": LISTENER_APPLICATION_NAME},
-                )
-                conn.add_termination_listener(lambda _conn, lost=lost: lost.set())
-                await conn.add_listener(
-                    NOTIFY_CHANNEL, lambda _conn, _pid, _channel, payload: on_notify(payload)
-                )
-                log.info("listening for lease notifications")
-                delay_s = 0.1
-                await lost.wait()
-                log.warning("lease notification connection lost; polling until it is back")
-            except _DRIVER_ERRORS as exc:
-                log.warning("lease notifications unavailable (%s); retrying in %.1fs", exc, delay_s)
-            finally:
-                if conn is not None and not conn.is_closed():
-                    conn.terminate()
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, LISTENER_RETRY_MAX_S)
+    async def listen_leases(
+        self,
+        on_notify: Callable[[str], None],
+        on_listening: Callable[[bool], None] | None = None,
+    ) -> None:
+        """LISTEN on the session connection, kept open (reconnected) until cancelled."""
+        if on_listening is not None:
+            self.session.watch(on_listening)
+        await self.session.listen(NOTIFY_CHANNEL, on_notify)
+        await self.session.keep_open()

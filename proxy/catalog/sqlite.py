@@ -170,7 +170,11 @@ class SqliteCatalog(SqlCatalog):
             raise CatalogError(f"job lock {path}: {exc}") from exc
         return fd
 
-    async def listen_leases(self, on_notify: Callable[[str], None]) -> None:
+    async def listen_leases(
+        self,
+        on_notify: Callable[[str], None],
+        on_listening: Callable[[bool], None] | None = None,
+    ) -> None:
         # SQLite has no notifications: waiters poll. Stay parked until cancelled.
         await asyncio.Event().wait()
 

@@ -51,6 +51,8 @@ from proxy.config.settings import (
     DEFAULT_MIRROR_INTERVAL_S,
     DEFAULT_MIRROR_VERSIONS,
     DEFAULT_PARSE_TIMEOUT_S,
+    DEFAULT_POOL_IDLE_TIMEOUT_S,
+    DEFAULT_POOL_SIZE,
     DEFAULT_READ_TIMEOUT_S,
     DEFAULT_RECLAIM_INTERVAL_S,
     DEFAULT_RETENTION_INTERVAL_S,
@@ -61,6 +63,7 @@ from proxy.config.settings import (
     DEFAULT_WORKERS,
     LOG_FORMATS,
     MIRROR_VERSIONS,
+    DatabaseSettings,
     JobSettings,
     LeaseSettings,
     MirrorSettings,
@@ -187,7 +190,7 @@ class _Parser:
         server = self.table(
             raw, "server", {"listen", "workers", "access_log", "log_format", "tls_cert", "tls_key"}
         )
-        database = self.table(raw, "database", {"url"})
+        database = self.table(raw, "database", {"url", "session_url", "pool_size", "idle_timeout"})
         storage = self.table(raw, "storage", {"path", "min_free", "max_size", "low_watermark"})
         upstream = self.table(
             raw,
@@ -231,6 +234,7 @@ class _Parser:
         )
         database_url = database_url or f"sqlite:///{Path(storage_path) / 'proxy.db'}"
         self.database_url(database_url, "database.url")
+        database_settings = self.database(database, database_url)
 
         # The shortest values that can work (shorter ones fail every request or lease).
         network = Duration(minimum_s=0.1, why="a network round trip takes that long")
@@ -361,6 +365,36 @@ class _Parser:
             access_log=access_log,
             log_format=log_format,
             tls=tls,
+            database=database_settings,
+        )
+
+    def database(self, database: dict[str, Any], database_url: str) -> DatabaseSettings:
+        session_url = self.environ.get("PROXY_DATABASE_SESSION_URL") or self.value(
+            database, "database", "session_url", Text()
+        )
+        if session_url:
+            if database_url.startswith("sqlite:"):
+                self.error(
+                    "database.session_url",
+                    "is for a Postgres fleet; database.url is a SQLite file",
+                )
+            elif self.database_url(session_url, "database.session_url"):
+                self.error(
+                    "database.session_url",
+                    f"{redact_url(session_url)!r}: must be a postgresql:// URL",
+                )
+        return DatabaseSettings(
+            session_url=session_url or None,
+            pool_size=self.value(
+                database, "database", "pool_size", Integer(1, 1000), DEFAULT_POOL_SIZE
+            ),
+            idle_timeout_s=self.value(
+                database,
+                "database",
+                "idle_timeout",
+                Duration(minimum_s=1.0, why="a closed connection is made again for the next use"),
+                DEFAULT_POOL_IDLE_TIMEOUT_S,
+            ),
         )
 
     # -- repositories -------------------------------------------------------------
@@ -635,11 +669,13 @@ class _Parser:
             return "127.0.0.1", 8080
         return host, int(port_text)
 
-    def database_url(self, value: str, key: str) -> None:
+    def database_url(self, value: str, key: str) -> bool:
+        """Check a database URL (errors name ``key``); True if it is a SQLite one."""
         scheme = value.split(":", 1)[0]
         if scheme == "sqlite":
             if not value.startswith("sqlite:///") or value == "sqlite:///":
                 self.error(key, f"{value!r} is not sqlite:///PATH (e.g. sqlite:///./data/proxy.db)")
+            return True
         elif scheme in ("postgresql", "postgres"):
             try:
                 hostname = urlsplit(value).hostname
@@ -652,6 +688,7 @@ class _Parser:
                 key,
                 f"{redact_url(value)!r}: the scheme must be sqlite:/// or postgresql://",
             )
+        return False
 
 
 def _no_password() -> str:

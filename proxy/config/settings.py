@@ -34,6 +34,10 @@ DEFAULT_MIN_RATE_WINDOW_S = 30.0
 # seconds; pages that take CPython's HTML parser quadratic time would take hours.
 DEFAULT_PARSE_TIMEOUT_S = 30.0
 DEFAULT_MIN_FREE = 512 * 2**20  # /readyz fails below this much free storage
+# Connections of one replica to Postgres (docs/architecture.md, "The catalog's
+# connections"): at most this many pooled, plus the one session connection.
+DEFAULT_POOL_SIZE = 10
+DEFAULT_POOL_IDLE_TIMEOUT_S = 30.0  # a pooled connection unused this long is closed
 DEFAULT_LEASE_TTL_S = 15.0
 DEFAULT_LEASE_POLL_INTERVAL_S = 0.25
 DEFAULT_LEASE_RETENTION_S = 24 * 3600.0
@@ -103,13 +107,26 @@ class UpstreamSettings:
 
 
 @dataclass(frozen=True)
+class DatabaseSettings:
+    """How a replica connects to Postgres besides ``Settings.database_url``, the pool's
+    URL (docs/architecture.md, "The catalog's connections")."""
+
+    # The one connection that needs a session (LISTEN, job locks): direct to Postgres
+    # or through a session-mode pooler. None: the same as the pool's URL.
+    session_url: str | None = None
+    pool_size: int = DEFAULT_POOL_SIZE
+    idle_timeout_s: float = DEFAULT_POOL_IDLE_TIMEOUT_S
+
+
+@dataclass(frozen=True)
 class LeaseSettings:
     ttl_s: float = DEFAULT_LEASE_TTL_S
+    # Between a waiter's checks while the lease notifications are not being received
+    # (the listener is reconnecting, or notify is off); with them, waiters check at the
+    # lease's renewal pace (ttl/3).
     poll_interval_s: float = DEFAULT_LEASE_POLL_INTERVAL_S
     retention_s: float = DEFAULT_LEASE_RETENTION_S
-    # LISTEN/NOTIFY wake-ups (Postgres). Turn off behind a pooler that cannot LISTEN
-    # (e.g. PgBouncer in transaction mode); waiters then rely on polling alone.
-    notify: bool = True
+    notify: bool = True  # LISTEN/NOTIFY wake-ups (Postgres); False: waiters poll only
 
 
 @dataclass(frozen=True)
@@ -174,6 +191,8 @@ class Settings:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}"
 
+    database: DatabaseSettings = field(default_factory=DatabaseSettings)
+
     def repository(self, name: str) -> RepositorySettings[Any] | None:
         for repo in self.repositories:
             if repo.name == name:
@@ -200,6 +219,13 @@ class Settings:
             ),
             "[database]",
             f"url = {toml_string(self.database_url)}",
+            (
+                f"session_url = {toml_string(self.database.session_url)}"
+                if self.database.session_url is not None
+                else "# session_url is not set: the session connection uses url"
+            ),
+            f"pool_size = {self.database.pool_size}",
+            f'idle_timeout = "{format_duration(self.database.idle_timeout_s)}"',
             "[storage]",
             f"path = {toml_string(str(self.storage_path))}",
             f'min_free = "{format_size(self.storage.min_free)}"',

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from proxy.catalog import Catalog
 from proxy.clock import Clock
-from proxy.exceptions import CatalogError
+from proxy.exceptions import CatalogError, JobLockLost
 from proxy.runtime import metrics
 from proxy.runtime.tasks import TaskSupervisor
 
@@ -70,6 +70,15 @@ class Scheduler:
         run_id = await self.catalog.claim_job_run(job.name, job.interval_s, self.holder)
         if run_id is None:
             return False
+        try:
+            return await self._pass(job, run_id)
+        except JobLockLost as exc:
+            # The pass was cancelled (and gave its claim back) when its lock went.
+            metrics.JOB_RUNS.labels(job=job.name, outcome="lock_lost").inc()
+            log.warning("%s; stopped the pass", exc)
+            return False
+
+    async def _pass(self, job: Job, run_id: int) -> bool:
         async with self.catalog.job_lock(job.name) as acquired:
             if not acquired:
                 metrics.JOB_RUNS.labels(job=job.name, outcome="skipped_locked").inc()

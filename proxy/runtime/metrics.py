@@ -164,6 +164,17 @@ JOB_LAST_SUCCESS = Gauge(
     ["job"],
     multiprocess_mode="max",
 )
+DATABASE_RECONNECTS = Counter(
+    "proxy_database_reconnects_total",
+    "Connections to Postgres made again after one was lost (restart, failover, a "
+    "terminated backend), by connection: session (LISTEN, job locks) or pool",
+    ["connection"],
+)
+JOB_LOCKS_LOST = Counter(
+    "proxy_job_locks_lost_total",
+    "Job passes stopped because the session connection holding their lock was lost",
+    ["job"],
+)
 CATALOG_ERRORS = Counter(
     "proxy_catalog_errors_total",
     "Database operations that failed",
