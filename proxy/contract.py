@@ -2,12 +2,15 @@
 
 A format (``proxy/formats/<name>.py``) imports this module and nothing else of the
 proxy. It provides a ``FORMAT = FormatPlugin(...)`` that declares its settings (a frozen
-dataclass of ``option(...)`` fields) and builds one ``Adapter`` per repository from a
-``FormatContext``. The adapter turns HTTP requests into calls on its ``RepositoryCache``;
-to fetch a key it describes it with a ``FetchSpec`` whose ``Origin`` knows how to ask
-the upstream. The engine decides whether to fetch (freshness, single flight, leases),
-and stores, verifies and serves the bytes; an origin only talks to the upstream,
-through the small ``OriginContext`` it is handed. See docs/architecture.md.
+dataclass of ``option(...)`` fields) and what it provides: proxying upstreams
+(``Proxying``), storing uploads (``Hosting``), listing a package's keys for mirrors
+(``Mirroring``). It builds one ``Adapter`` per repository from the context of its kind
+(``ProxyContext``, ``HostedContext``). A proxying adapter turns HTTP requests into calls
+on its ``ProxyCache``; to fetch a key it describes it with a ``FetchSpec`` whose
+``Origin`` knows how to ask the upstream. The engine decides whether to fetch
+(freshness, single flight, leases), and stores, verifies and serves the bytes; an
+origin only talks to the upstream, through the small ``OriginContext`` it is handed.
+See docs/architecture.md.
 
 The engine never imports a format: ``proxy/formats/__init__.py`` maps each
 ``format = "..."`` name to its module, one line per format.
@@ -36,6 +39,7 @@ from proxy.config.options import (
     Text,
     Urls,
     option,
+    options_of,
     toml_key,
 )
 from proxy.config.settings import RepositorySettings
@@ -43,14 +47,20 @@ from proxy.exceptions import (
     BadRequest,
     ClientError,
     DigestMismatch,
+    FetchError,
     Forbidden,
+    InvalidPlugin,
     MethodNotAllowed,
     NotAcceptable,
     NotConfigured,
     NotFound,
+    NotSupported,
+    ParseFailed,
     PayloadTooLarge,
     RequestTimeout,
+    RetryLater,
     Unauthorized,
+    UpstreamBusy,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -71,53 +81,68 @@ from proxy.types import (
 # Upstream answers that mean "no such file" (cached as such); anything else that is not
 # a success is an outage, never a 404.
 NOT_FOUND_STATUSES = (404, 410)
+# Keys the engine gives every repository of a proxying format (``Proxying``); a format's
+# own options must not use them.
+ENGINE_REPOSITORY_KEYS = ("upstream", "allow_hosts", "retention")
 
 __all__ = [
+    "ENGINE_REPOSITORY_KEYS",
     "KNOWN_DIGESTS",
     "NOT_FOUND_STATUSES",
     "Adapter",
+    "AdapterT",
     "BadRequest",
     "Choice",
     "ClientError",
     "DigestMismatch",
     "Digests",
     "Duration",
+    "FetchError",
     "FetchSpec",
     "Fetched",
     "Flag",
     "Forbidden",
-    "FormatContext",
     "FormatPlugin",
     "Globs",
+    "HostedCache",
+    "HostedContext",
+    "Hosting",
     "Hosts",
     "Integer",
+    "InvalidPlugin",
     "Kind",
     "Link",
     "LinkBatch",
     "LinkStore",
     "MethodNotAllowed",
-    "MirrorAdapter",
     "MirrorVersions",
+    "Mirroring",
     "NotAcceptable",
     "NotConfigured",
     "NotFound",
+    "NotSupported",
     "OptionType",
     "OptionalSize",
     "Origin",
     "OriginContext",
     "PackageRef",
+    "ParseFailed",
     "PayloadTooLarge",
+    "ProxyCache",
+    "ProxyContext",
+    "Proxying",
     "Reporter",
-    "RepositoryCache",
     "RepositorySettings",
     "Request",
     "RequestTimeout",
     "Response",
     "Responses",
+    "RetryLater",
     "Size",
     "Status",
     "Text",
     "Unauthorized",
+    "UpstreamBusy",
     "UpstreamClient",
     "UpstreamError",
     "UpstreamResponse",
@@ -127,6 +152,7 @@ __all__ = [
     "Validators",
     "WarmResult",
     "option",
+    "options_of",
     "toml_key",
 ]
 
@@ -345,29 +371,29 @@ class FetchSpec:
         return None
 
 
-class RepositoryCache(Protocol):
-    """The engine, as one repository's adapter sees it."""
+class ProxyCache(Protocol):
+    """The engine, as the adapter of a proxying repository sees it."""
 
     async def respond(
         self,
         spec: FetchSpec,
         request: Request,
         headers: Mapping[str, str] | None = None,
-        checksum_headers: bool = False,
+        digest_headers: Callable[[Digests], Mapping[str, str]] | None = None,
     ) -> Response:
-        """Serve ``spec.key``: from the cache if fresh, else through the miss path.
+        """Serve ``spec.key``: from the cache if fresh, else through the miss path (a
+        HEAD too: it makes the same upstream requests a GET would).
 
-        ``headers`` are added to the answer (they win over the stored Content-Type);
-        ``checksum_headers`` adds ``X-Checksum-*`` computed from the bytes served.
+        ``headers`` are added to the answer (they win over the stored Content-Type).
+        ``digest_headers`` turns the digests of the very bytes served (those of
+        ``spec.digests`` and sha256) into more headers, when the answer is a stored
+        copy; an answer still downloading has no digests yet and gets none.
         """
         ...
 
-    async def is_fresh(self, key: str) -> bool:
-        """Is ``key`` cached and fresh (so serving it needs no upstream)?"""
-        ...
-
     async def served_digests(self, spec: FetchSpec) -> Digests:
-        """The digests of the bytes this repository serves for ``spec.key``.
+        """The digests (``spec.digests`` and sha256) of the bytes this repository serves
+        for ``spec.key``.
 
         A stored copy answers even if expired (its checksum must match what clients
         have); only a missing key is fetched. ``NotFound`` for a confirmed miss.
@@ -386,18 +412,19 @@ class RepositoryCache(Protocol):
         """
         ...
 
-    async def store_upload(
+
+class HostedCache(Protocol):
+    """The engine, as the adapter of a hosted repository (one that stores what clients
+    upload, like a build cache) sees it. The engine counts uploads, stored and refused."""
+
+    async def store(
         self, key: str, body: AsyncIterator[bytes], max_size: int, content_type: str | None
     ) -> None:
         """Store a client's upload; durable on return. ``PayloadTooLarge`` past ``max_size``."""
         ...
 
-    async def serve_upload(self, key: str, request: Request, content_type: str) -> Response:
+    async def serve(self, key: str, request: Request, content_type: str) -> Response:
         """Serve a stored upload (a GET counts as a use, a HEAD does not); ``NotFound``."""
-        ...
-
-    def count_upload(self, result: str) -> None:
-        """Count an upload refused before it reached ``store_upload`` (e.g. "unauthorized")."""
         ...
 
 
@@ -408,49 +435,86 @@ class Adapter(Protocol):
     async def handle(self, request: Request) -> Response: ...
 
 
-class MirrorAdapter(Adapter, Protocol):
-    """An adapter of a format that declares ``purl_types``: it can list what to warm."""
-
-    async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
-        """The keys that make up ``package``: for a versioned package, that version's
-        files; otherwise the latest or every version's. The engine warms each one.
-
-        May read small documents through the cache (``RepositoryCache.read``) to find
-        them. ``NotFound`` if the package or version does not exist upstream,
-        ``BadRequest`` if the purl cannot name anything in this format.
-        """
-        ...
+AdapterT = TypeVar("AdapterT", bound=Adapter)
 
 
 @dataclass(frozen=True)
-class FormatContext:
-    """What the engine hands a format when it builds one repository's adapter.
+class ProxyContext:
+    """What the engine hands a proxying format when it builds one repository's adapter.
 
     ``compute(fn, *args)`` runs CPU-heavy work off the event loop (as in OriginContext);
     ``responses`` builds the answers that are not errors (errors are raised).
     """
 
-    cache: RepositoryCache
+    cache: ProxyCache
     upstream: UpstreamClient
     compute: Callable[..., Awaitable[Any]]
     responses: Responses
 
 
 @dataclass(frozen=True)
-class FormatPlugin(Generic[OptionsT]):
-    """A format, as the registry knows it."""
+class HostedContext:
+    """What the engine hands a hosting format when it builds one repository's adapter."""
+
+    store: HostedCache
+    responses: Responses
+
+
+@dataclass(frozen=True)
+class Proxying(Generic[OptionsT, AdapterT]):
+    """The format fetches from upstreams and caches what it gets.
+
+    Its repositories get the engine's keys ``upstream`` (one URL, or a list tried in
+    order, up to ``max_upstreams``; also from ``PROXY_UPSTREAM_<NAME>``), ``allow_hosts``
+    (the SSRF policy's exceptions) and ``retention``; ``RepositorySettings.upstreams``
+    holds the URLs. Until an upstream is set the engine answers 503 naming the setting,
+    before the adapter is asked.
+    """
+
+    build: Callable[[RepositorySettings[OptionsT], ProxyContext], AdapterT]
+    max_upstreams: int | None = None  # None: any number
+
+
+@dataclass(frozen=True)
+class Hosting(Generic[OptionsT, AdapterT]):
+    """The format stores what clients upload (nothing is fetched from an upstream)."""
+
+    build: Callable[[RepositorySettings[OptionsT], HostedContext], AdapterT]
+    # A total the engine keeps each repository under (least recently used go first).
+    max_size: Callable[[OptionsT], int | None] | None = None
+
+
+@dataclass(frozen=True)
+class Mirroring(Generic[AdapterT]):
+    """The format can list the keys that make up a package a purl names
+    (docs/architecture.md, "Mirrors"); only a proxying format can mirror."""
+
+    purl_types: tuple[str, ...]  # ``pkg:<type>/...`` this format takes
+    # ``keys(adapter, package, versions)``: for a versioned package, that version's
+    # files; otherwise the latest or every version's. The engine warms each one. It may
+    # read small documents through the cache (``ProxyCache.read``) to find them;
+    # ``NotFound`` if the package or version does not exist upstream, ``BadRequest`` if
+    # the purl cannot name anything in this format.
+    keys: Callable[[AdapterT, PackageRef, MirrorVersions], Awaitable[list[FetchSpec]]]
+
+
+@dataclass(frozen=True)
+class FormatPlugin(Generic[OptionsT, AdapterT]):
+    """A format, as the registry knows it: its settings and what it provides.
+
+    It declares exactly one way of serving a repository, ``proxying`` or ``hosting``,
+    and may declare ``mirroring``; the registry checks the declaration when the format is
+    first loaded and names the format and what is missing (``formats.verify``).
+    """
 
     name: str  # the value of `format = "..."`
     options: type[OptionsT]  # a frozen dataclass of option(...) fields
-    build: Callable[[RepositorySettings[OptionsT], FormatContext], Adapter]
+    proxying: Proxying[OptionsT, AdapterT] | None = None
+    hosting: Hosting[OptionsT, AdapterT] | None = None
+    mirroring: Mirroring[AdapterT] | None = None
     # Served when the config has no [[repositories]] at all (None: not served by default).
     default_repository: Mapping[str, Any] | None = None
     # Checks across options: (key, message) pairs, key relative to the repository.
     validate: Callable[[OptionsT], Iterable[tuple[str, str]]] | None = None
     # Start-up warnings for an operator: (repository, listen host) -> messages.
     warnings: Callable[[RepositorySettings[OptionsT], str], Iterable[str]] | None = None
-    # A total the engine keeps this repository under (least recently used go first).
-    max_size: Callable[[OptionsT], int | None] | None = None
-    # purl types (``pkg:<type>/...``) this format can mirror; its adapter is then a
-    # ``MirrorAdapter``.
-    purl_types: tuple[str, ...] = ()

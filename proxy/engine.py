@@ -10,27 +10,30 @@ same way (docs/architecture.md, "Module map").
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any
 
 from proxy import formats
 from proxy.cache import Cache
+from proxy.cache.hosted import CountedUploads, HostedView
 from proxy.cache.index import AccessLog, EntryIndex
+from proxy.cache.proxied import ProxiedView
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import Clock
-from proxy.config.settings import Settings
-from proxy.contract import Adapter, FormatContext, MirrorAdapter, RepositoryCache
-from proxy.exceptions import CatalogError
+from proxy.config.settings import RepositorySettings, Settings
+from proxy.contract import Adapter, FormatPlugin, HostedContext, ProxyContext
+from proxy.exceptions import CatalogError, InvalidPlugin
 from proxy.fetch.fetcher import Fetcher
 from proxy.fetch.leases import LeaseCoordinator, make_holder_id
 from proxy.http.responses import FormatResponses, HotBlobs
 from proxy.jobs import Job, Scheduler, standard_jobs
-from proxy.mirror.runner import Mirrors
+from proxy.mirror.runner import Mirrors, MirrorSource
 from proxy.runtime import metrics
 from proxy.runtime.blocking import CpuPool, install_io_executor, run_blocking
 from proxy.runtime.tasks import TaskSupervisor, watch_loop_lag
@@ -117,57 +120,24 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
             index, access, hot = EntryIndex(), AccessLog(clock), HotBlobs()
             fetcher = Fetcher(catalog, blobs, index, leases, tasks, clock)
             cache = Cache(catalog, blobs, fetcher, index, access, hot, clock)
-            adapters: dict[str, Adapter] = {}
-            size_limits: dict[str, int] = {}
-            not_configured: dict[str, str] = {}
-            mirrorable: dict[str, MirrorAdapter] = {}
-            purl_types: dict[str, tuple[str, ...]] = {}
-            views: dict[str, RepositoryCache] = {}
+            built = Repositories()
             for repo in settings.repositories:
-                plugin = formats.plugin(repo.format)
-                upstream = pool.for_repository(repo.name, repo.upstreams, repo.allow_hosts)
-                view = cache.for_repository(repo.name, repo.format, upstream, cpu)
-                views[repo.name] = view
-                context = FormatContext(
-                    cache=view,
-                    upstream=upstream,
-                    compute=cpu.run,
-                    responses=FormatResponses(repo.name),
-                )
-                adapters[repo.name] = plugin.build(repo, context)
-                if plugin.purl_types and hasattr(adapters[repo.name], "mirror"):
-                    mirrorable[repo.name] = cast(MirrorAdapter, adapters[repo.name])
-                    purl_types[repo.name] = plugin.purl_types
-                limit = plugin.max_size(repo.options) if plugin.max_size else None
-                if limit is not None:
-                    size_limits[repo.name] = limit
-                for warning in plugin.warnings(repo, settings.host) if plugin.warnings else ():
-                    log.warning("%s", warning)
-                if repo.is_proxy and not repo.upstreams:
-                    not_configured[repo.name] = (
-                        f"repository {repo.name!r} has no upstream configured; "
-                        f"set {repo.upstream_setting}"
-                    )
-                    log.warning(
-                        "repository %r has no upstream: its requests get 503 until you set %s",
-                        repo.name,
-                        repo.upstream_setting,
-                    )
+                built.add(repo, formats.plugin(repo.format), cache, pool, cpu, settings.host)
             if settings.storage.max_size is not None:
                 metrics.STORAGE_MAX_BYTES.set(settings.storage.max_size)
-            mirrors = Mirrors(mirrorable, purl_types, views, not_configured)
+            mirrors = Mirrors(built.mirror_sources, built.not_configured)
             engine = Engine(
                 settings,
                 clock,
                 catalog,
                 blobs,
                 cache,
-                adapters,
+                built.adapters,
                 tasks,
                 leases,
                 holder,
-                size_limits,
-                not_configured,
+                built.size_limits,
+                built.not_configured,
                 mirrors,
                 pool,
             )
@@ -184,6 +154,65 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
         await catalog.close()
         # With several workers, drop this process's live gauges from the aggregate.
         metrics.mark_process_dead(os.getpid())
+
+
+@dataclass
+class Repositories:
+    """Each repository built on what its format declares (``contract.Proxying``,
+    ``Hosting``, ``Mirroring``): its adapter, and what the engine keeps about it."""
+
+    adapters: dict[str, Adapter] = field(default_factory=dict)
+    size_limits: dict[str, int] = field(default_factory=dict)  # hosted, kept under a size
+    # Proxying repositories without an upstream -> the 503 message naming the setting.
+    not_configured: dict[str, str] = field(default_factory=dict)
+    mirror_sources: dict[str, MirrorSource] = field(default_factory=dict)  # in config order
+
+    def add(
+        self,
+        repo: RepositorySettings[Any],
+        plugin: FormatPlugin[Any, Any],
+        cache: Cache,
+        pool: UpstreamPool,
+        cpu: CpuPool,
+        listen_host: str,
+    ) -> None:
+        responses = FormatResponses(repo.name)
+        if plugin.proxying is not None:
+            upstream = pool.for_repository(repo.name, repo.upstreams, repo.allow_hosts)
+            view = ProxiedView(cache, repo.name, repo.format, upstream, cpu)
+            context = ProxyContext(
+                cache=view, upstream=upstream, compute=cpu.run, responses=responses
+            )
+            adapter = plugin.proxying.build(repo, context)
+            self.adapters[repo.name] = adapter
+            if plugin.mirroring is not None:
+                self.mirror_sources[repo.name] = MirrorSource(
+                    plugin.mirroring.purl_types,
+                    functools.partial(plugin.mirroring.keys, adapter),
+                    view,
+                )
+            if not repo.upstreams:
+                self.not_configured[repo.name] = (
+                    f"repository {repo.name!r} has no upstream configured; "
+                    f"set {repo.upstream_setting}"
+                )
+                log.warning(
+                    "repository %r has no upstream: its requests get 503 until you set %s",
+                    repo.name,
+                    repo.upstream_setting,
+                )
+        elif plugin.hosting is not None:
+            hosted = HostedView(cache, repo.name, repo.format)
+            built = plugin.hosting.build(repo, HostedContext(store=hosted, responses=responses))
+            self.adapters[repo.name] = CountedUploads(built, repo.name)
+            if plugin.hosting.max_size is not None:
+                limit = plugin.hosting.max_size(repo.options)
+                if limit is not None:
+                    self.size_limits[repo.name] = limit
+        else:  # formats.verify refuses such a plugin before we get here
+            raise InvalidPlugin(f"format {plugin.name!r} declares no way to serve {repo.name!r}")
+        for warning in plugin.warnings(repo, listen_host) if plugin.warnings else ():
+            log.warning("%s", warning)
 
 
 async def _flush_access_forever(cache: Cache) -> None:

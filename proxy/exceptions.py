@@ -2,23 +2,43 @@
 
     ProxyError
     ├── ConfigError            a setting is bad; lists every bad key
-    ├── ClientError            the request is bad (4xx); carries the status
+    ├── InvalidPlugin          a format's plugin lacks what it declares (at registration)
+    ├── ClientError            the request is bad (4xx)
+    │   ├── BadRequest         400
+    │   ├── Unauthorized       401, with the format's challenge
+    │   ├── Forbidden          403
     │   ├── NotFound           404: confirmed missing upstream, or never listed
-    │   ├── Unauthorized       401 (with the format's challenge) / Forbidden 403
-    │   ├── MethodNotAllowed   405 (with Allow)
+    │   ├── MethodNotAllowed   405, with the methods allowed
     │   ├── NotAcceptable      406: no representation the Accept header takes
     │   ├── RequestTimeout     408: a request body that stalled
     │   ├── PayloadTooLarge    413: over a repository's max_entry_size
-    │   └── BadRequest         400 (and 414/431 via ``status``)
-    ├── NotConfigured          503: the repository has no upstream URL
-    ├── ShuttingDown           503: the process is stopping
-    ├── UpstreamError          the upstream failed (5xx/timeout/connection/protocol)
-    │   ├── UpstreamTimeout    504
-    │   ├── UpstreamUnavailable  502/503 (connection refused, 5xx, 429)
-    │   └── DigestMismatch     502: bytes do not match the listed digest
-    ├── CatalogError           the database failed (sqlite3/asyncpg errors, translated)
-    │   └── JobLockLost        a job pass's lock went with its connection: pass stopped
-    └── StorageError           the blob store failed (disk full, shared volume gone): 503
+    │   ├── UriTooLong         414
+    │   └── HeadersTooLarge    431
+    ├── NotSupported           501: an endpoint of the protocol the proxy does not offer
+    ├── Unavailable            503 + Retry-After: the proxy cannot answer now; a retry may
+    │   ├── NotConfigured        the repository has no upstream URL
+    │   ├── ShuttingDown         the process is stopping
+    │   ├── CatalogError         the database failed (sqlite3/asyncpg errors, translated)
+    │   │   └── JobLockLost        a job pass's lock went with its connection: pass stopped
+    │   └── StorageError         the blob store failed (disk full, shared volume gone)
+    └── FetchError             getting a key's body failed: a stale copy answers instead
+        ├── UpstreamError      the upstream failed, and only the upstream: 502
+        │   ├── UpstreamTimeout      504: no head, no body, or too slow, in time
+        │   ├── UpstreamUnavailable  502: refused, reset, 5xx, a broken body
+        │   │   └── UpstreamBusy     503 + Retry-After: it answered 429 or 503
+        │   │       └── UpstreamDown   it failed in a row: not asked for a while
+        │   ├── AddressRefused       502: it sent us to an internal address
+        │   └── DigestMismatch       502: bytes do not match the listed digest
+        ├── RetryLater         503 + Retry-After: a limit of ours (parsers or memory
+        │                      budget busy, an upstream host's slots full) or a step
+        │                      not done yet (stored but not recorded)
+        ├── ParseFailed        502: what the upstream sent could not be parsed in time
+        └── TransferCut        502: a body being streamed ended before its end
+            └── BodyChanged      the upstream's file changed between two downloads
+
+The HTTP answer to each class (status, headers such as Retry-After, log level) is
+decided in one place, ``http/errors.py``, looked up along the class's MRO; the classes
+carry only what the answer needs to say (a message, the methods allowed, a wait).
 
 Foreign errors are translated once, at the boundary, with ``raise ... from exc``:
 httpx errors in ``upstream/client.py``, sqlite3 and asyncpg errors in ``catalog/``.
@@ -40,107 +60,88 @@ class ConfigError(ProxyError):
         super().__init__("; ".join(errors))
 
 
+class InvalidPlugin(ProxyError):
+    """A format's ``FORMAT`` does not provide what it declares; the message names the
+    format and every problem."""
+
+
+# -- the request is bad -----------------------------------------------------------------
+
+
 class ClientError(ProxyError):
-    status = 400
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        if status is not None:
-            self.status = status
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """Headers the answer needs (an Allow, a challenge)."""
-        return {}
+    """The request cannot be answered as asked (a 4xx)."""
 
 
 class BadRequest(ClientError):
-    status = 400
-
-
-class NotFound(ClientError):
-    status = 404
+    pass
 
 
 class Unauthorized(ClientError):
-    status = 401
-
     def __init__(self, message: str, challenge: str | None = None) -> None:
         super().__init__(message)
         self.challenge = challenge  # the WWW-Authenticate value, e.g. 'Basic realm="x"'
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"www-authenticate": self.challenge} if self.challenge else {}
-
 
 class Forbidden(ClientError):
-    status = 403
+    pass
+
+
+class NotFound(ClientError):
+    pass
 
 
 class MethodNotAllowed(ClientError):
-    status = 405
-
     def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
         super().__init__(message)
         self.allowed = allowed
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"allow": ", ".join(self.allowed)}
-
 
 class NotAcceptable(ClientError):
-    """406: no representation the client accepts (content negotiation by Accept)."""
-
-    status = 406
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"vary": "Accept"}
+    """No representation the client accepts (content negotiation by Accept)."""
 
 
 class RequestTimeout(ClientError):
-    status = 408
+    pass
 
 
 class PayloadTooLarge(ClientError):
-    status = 413
+    pass
 
 
-class NotConfigured(ProxyError):
-    status = 503
+class UriTooLong(ClientError):
+    pass
 
 
-class ShuttingDown(ProxyError):
-    status = 503
+class HeadersTooLarge(ClientError):
+    pass
 
 
-class UpstreamError(ProxyError):
-    """The upstream could not give us the bytes. Never a 404 to clients."""
-
-    status = 502
-
-
-class UpstreamTimeout(UpstreamError):
-    status = 504
+class NotSupported(ProxyError):
+    """An endpoint of the client's protocol that this proxy does not offer (publishing,
+    search...); the message says what and where to go instead."""
 
 
-class UpstreamUnavailable(UpstreamError):
-    status = 502
+# -- we cannot answer now ------------------------------------------------------------------
 
-    def __init__(self, message: str, status: int = 502, retry_after_s: float | None = None):
+
+class Unavailable(ProxyError):
+    """The proxy cannot answer now; a retry after ``retry_after_s`` may succeed."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        self.status = status
         self.retry_after_s = retry_after_s
 
 
-class DigestMismatch(UpstreamError):
-    status = 502
+class NotConfigured(Unavailable):
+    pass
 
 
-class CatalogError(ProxyError):
-    status = 503
+class ShuttingDown(Unavailable):
+    pass
+
+
+class CatalogError(Unavailable):
+    pass
 
 
 class JobLockLost(CatalogError):
@@ -148,14 +149,76 @@ class JobLockLost(CatalogError):
     stopped, since another replica may already run the job."""
 
 
-class StorageError(ProxyError):
-    status = 503
-
+class StorageError(Unavailable):
     @classmethod
     def from_os_error(cls, what: str, exc: OSError) -> StorageError:
         """``what`` failed with ``exc``, named by its errno (``ENOSPC``, ``EIO``...), so
         the log says at once whether the disk is full or failing."""
         return cls(f"{what}: {describe_os_error(exc)}")
+
+
+# -- getting a body failed -------------------------------------------------------------------
+
+
+class FetchError(ProxyError):
+    """Getting a key's body failed. The miss path serves a stale copy instead, where
+    there is one, and marks its lease failed."""
+
+
+class UpstreamError(FetchError):
+    """The upstream could not give us the bytes. Never a 404 to clients."""
+
+
+class UpstreamTimeout(UpstreamError):
+    pass
+
+
+class UpstreamUnavailable(UpstreamError):
+    pass
+
+
+class UpstreamBusy(UpstreamUnavailable):
+    """The upstream answered 429 or 503: it asks us to come back later."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class UpstreamDown(UpstreamBusy):
+    """The upstream host failed so often in a row that it is not asked again until
+    ``retry_after_s`` has passed (its circuit is open: ``upstream/circuit.py``)."""
+
+
+class AddressRefused(UpstreamError):
+    """A URL the upstream gave (a listed file, a redirect) names an address the
+    repository may not reach (docs/architecture.md, "Upstream safety")."""
+
+
+class DigestMismatch(UpstreamError):
+    pass
+
+
+class RetryLater(FetchError):
+    """A limit of ours was reached, or a step is not done yet: not the upstream's fault."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ParseFailed(FetchError):
+    """What the upstream sent could not be parsed within ``upstream.parse_timeout``."""
+
+
+class TransferCut(FetchError):
+    """A body being streamed to clients ended before its end (the download failed, or
+    its file could not be read); clients that had its headers see a short body."""
+
+
+class BodyChanged(TransferCut):
+    """The upstream's file changed between two downloads of one transfer: the bytes
+    already sent are not a prefix of the new body."""
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -32,12 +32,13 @@ class Kind(enum.StrEnum):
     IMMUTABLE = "immutable"  # wheels, sdists, release jars: never refetched
     METADATA = "metadata"  # index pages, maven-metadata.xml, SNAPSHOTs: fresh for a TTL
     NEGATIVE = "negative"  # a confirmed upstream 404, for a short TTL
-    HOSTED = "hosted"  # written by clients (Gradle build cache)
+    HOSTED = "hosted"  # written by clients (a hosted repository's uploads)
 
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """A file an index page listed: the only URLs a file request may make us fetch."""
+    """A file an index listed (a PyPI project page, an npm packument): the only URLs a
+    file request may make us fetch."""
 
     repository: str
     key: str
@@ -54,6 +55,7 @@ class LinkBatch:
 
     json_text: str
     count: int
+    repositories: tuple[str, ...] = ()  # those the links name (a store checks them)
 
     @classmethod
     def encode(cls, links: Iterable[Link]) -> LinkBatch:
@@ -70,7 +72,8 @@ class LinkBatch:
             }
             for link in unique.values()
         ]
-        return cls(json.dumps(rows), len(rows))
+        named = tuple(sorted({repository for repository, _key in unique}))
+        return cls(json.dumps(rows), len(rows), named)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.exceptions import UpstreamUnavailable
+from proxy.exceptions import ParseFailed, RetryLater
+from proxy.http.errors import rule_for
 from proxy.runtime.blocking import THREAD_INPUT_MAX_BYTES, CpuPool
 
 pytestmark = pytest.mark.anyio
@@ -66,9 +67,9 @@ async def test_work_past_the_deadline_is_a_502_and_its_child_is_stopped() -> Non
     pool = CpuPool(deadline_s=1.0, processes=1)
     try:
         child = await pool.run(pid_of, BIG)
-        with pytest.raises(UpstreamUnavailable, match="took too long to parse") as raised:
+        with pytest.raises(ParseFailed, match="took too long to parse") as raised:
             await pool.run(nap, BIG)
-        assert raised.value.status == 502
+        assert rule_for(raised.value).status == 502
         await wait_until_gone(child)
         assert await pool.run(pid_of, BIG) not in (child, os.getpid())
     finally:
@@ -104,9 +105,9 @@ async def test_close_stops_busy_children_at_once() -> None:
 async def test_a_child_that_dies_while_parsing_is_a_503_and_is_replaced() -> None:
     pool = CpuPool()
     try:
-        with pytest.raises(UpstreamUnavailable, match="restarted") as raised:
+        with pytest.raises(RetryLater, match="restarted") as raised:
             await pool.run(die, BIG)
-        assert raised.value.status == 503
+        assert rule_for(raised.value).status == 503
         assert await pool.run(pid_of, BIG) != os.getpid()
     finally:
         pool.close()

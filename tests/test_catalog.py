@@ -6,9 +6,10 @@ import asyncio
 
 import pytest
 
+from proxy.cache.proxied import CatalogLinks
 from proxy.catalog import Catalog, Entry, open_catalog
 from proxy.clock import SYSTEM_CLOCK
-from proxy.types import Kind, Link
+from proxy.types import Kind, Link, LinkBatch
 
 now_ms = SYSTEM_CLOCK.now_ms
 
@@ -84,6 +85,23 @@ async def test_links(catalog: Catalog) -> None:
     assert got == Link("r", "files/p/f0.whl", "https://upstream.example/moved.whl", {})
     assert await catalog.get_link("r", "files/p/f1.whl") == links[1]
     assert await catalog.get_link("other", "files/p/f1.whl") is None
+
+
+async def test_a_repository_link_store_records_only_its_own_links(catalog: Catalog) -> None:
+    """What ``contract.LinkStore`` promises, for a list and for an encoded batch alike: a
+    format cannot make one repository fetch URLs another repository's page listed."""
+    store = CatalogLinks(catalog, "r")
+    foreign = [
+        Link("r", "files/p/ok.whl", "https://upstream.example/ok.whl", {}),
+        Link("other", "files/p/f.whl", "https://upstream.example/f.whl", {}),
+    ]
+    for links in (foreign, LinkBatch.encode(foreign)):
+        with pytest.raises(ValueError, match="name another repository: other"):
+            await store.record(links)
+    assert await catalog.get_link("r", "files/p/ok.whl") is None
+    assert await catalog.get_link("other", "files/p/f.whl") is None
+    await store.record(LinkBatch.encode(foreign[:1]))
+    assert await store.get("files/p/ok.whl") == foreign[0]
 
 
 async def test_job_runs_once_per_interval_and_give_back(catalog: Catalog) -> None:

@@ -12,7 +12,8 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.config.load import load
-from proxy.exceptions import UpstreamUnavailable
+from proxy.exceptions import UpstreamDown
+from proxy.http.errors import rule_for
 from proxy.upstream import circuit as circuit_module
 from proxy.upstream.circuit import BACKOFF_MAX_S, FAILURES_TO_OPEN, Circuit, State
 from tests.conftest import ProxyFactory, pypi_config, write_config
@@ -37,15 +38,15 @@ def test_a_circuit_opens_probes_once_and_closes() -> None:
     assert c.state is State.CLOSED
     c.failed("connection refused", probe=False)
     assert c.state is State.OPEN
-    with pytest.raises(UpstreamUnavailable) as refused:
+    with pytest.raises(UpstreamDown) as refused:
         c.admit()
-    assert refused.value.status == 503 and refused.value.retry_after_s is not None
+    assert rule_for(refused.value).status == 503 and refused.value.retry_after_s is not None
     assert "up.example is down (last failure: connection refused)" in str(refused.value)
     first_window = c.retry_at - clock.now
     clock.now = c.retry_at
     assert c.admit() is True  # the one probe
     assert c.state is State.HALF_OPEN
-    with pytest.raises(UpstreamUnavailable):
+    with pytest.raises(UpstreamDown):
         c.admit()  # the others still fail fast while it is out
     c.failed("timed out", probe=True)
     assert c.state is State.OPEN and c.retry_at - clock.now > first_window  # backs off

@@ -14,7 +14,9 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.config.load import load
+from proxy.contract import ProxyCache
 from proxy.engine import Engine, open_engine
+from proxy.formats.pypi import PypiRepository
 from proxy.jobs import Job
 from tests.conftest import pypi_config, write_config
 from tests.upstream import FakeUpstream, ProjectFile
@@ -52,13 +54,19 @@ def add_files(upstream: FakeUpstream, count: int, size: int) -> list[ProjectFile
     return files
 
 
+def pypi_repository(engine: Engine) -> tuple[ProxyCache, PypiRepository]:
+    """The pypi repository's cache view and adapter."""
+    adapter = engine.adapters["pypi"]
+    assert isinstance(adapter, PypiRepository)
+    return engine.mirrors.sources["pypi"].cache, adapter
+
+
 async def warm_in_order(engine: Engine, clock: ManualClock, files: list[ProjectFile]) -> None:
     """Fetch each file one second after the previous, so access order is file order."""
-    view = engine.mirrors.caches["pypi"]
-    adapter = engine.mirrors.adapters["pypi"]
+    view, adapter = pypi_repository(engine)
     for f in files:
         clock.advance(1)
-        spec = adapter.file_spec("pkg", f.filename)  # type: ignore[attr-defined]
+        spec = adapter.file_spec("pkg", f.filename)
         assert (await view.warm(spec)).outcome == "fetched"
 
 
@@ -82,10 +90,10 @@ async def test_a_pass_removes_the_overshoot_least_recently_used_first(
     async with engine_for(tmp_path, upstream, clock, database_url, storage) as engine:
         await warm_in_order(engine, clock, files)
         # The two oldest are read again: now the third and later are least recently used.
-        view, adapter = engine.mirrors.caches["pypi"], engine.mirrors.adapters["pypi"]
+        view, adapter = pypi_repository(engine)
         for f in files[:2]:
             clock.advance(1)
-            assert (await view.warm(adapter.file_spec("pkg", f.filename))).outcome == "cached"  # type: ignore[attr-defined]
+            assert (await view.warm(adapter.file_spec("pkg", f.filename))).outcome == "cached"
         before = await engine.catalog.storage_usage()
         assert before.proxied_bytes > 1000 * KB  # ten files and the index page
         summary = await job(engine, "evict").run()
@@ -112,7 +120,7 @@ async def test_a_pass_removes_the_overshoot_least_recently_used_first(
         assert blob_exists(engine, files[0].body) and blob_exists(engine, files[-1].body)
         assert (await engine.catalog.storage_usage()).tombstoned_bytes == 0
         # An evicted file is simply fetched again.
-        assert (await view.warm(adapter.file_spec("pkg", files[2].filename))).outcome == "fetched"  # type: ignore[attr-defined]
+        assert (await view.warm(adapter.file_spec("pkg", files[2].filename))).outcome == "fetched"
         assert upstream.count(f"/packages/{files[2].filename}") == 2
 
 
@@ -136,9 +144,9 @@ async def test_retention_removes_entries_unused_for_the_repository_retention(
     ) as engine:
         await warm_in_order(engine, clock, files)
         clock.advance(3000)
-        view, adapter = engine.mirrors.caches["pypi"], engine.mirrors.adapters["pypi"]
+        view, adapter = pypi_repository(engine)
         # A hit records its access in memory only; the pass flushes it first.
-        assert (await view.warm(adapter.file_spec("pkg", files[0].filename))).outcome == "cached"  # type: ignore[attr-defined]
+        assert (await view.warm(adapter.file_spec("pkg", files[0].filename))).outcome == "cached"
         clock.advance(1000)  # files 1 and 2 (and the page) now unused for over an hour
         summary = await job(engine, "retention").run()
         assert "pypi: 3 entries" in summary

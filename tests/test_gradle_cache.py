@@ -6,6 +6,7 @@ import base64
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -237,3 +238,33 @@ def test_refused_put_closes_the_connection_so_the_unread_body_is_never_a_request
             pass
     finally:
         sock.close()
+
+
+def test_the_engine_counts_every_upload_stored_or_refused(cache_proxy: ServerThread) -> None:
+    """The format only raises; the engine counts each upload by its outcome."""
+
+    def uploads(result: str) -> float:
+        text = httpx.get(cache_proxy.url + "/metrics").text
+        return metric_value(text, "proxy_uploads_total", repository="gradle-cache", result=result)
+
+    before = {r: uploads(r) for r in ("stored", "unauthorized", "forbidden", "too_large")}
+    assert httpx.put(url(cache_proxy, "k1"), content=b"x", auth=CI).status_code == 201
+    assert httpx.put(url(cache_proxy, "k2"), content=b"x").status_code == 401
+    assert httpx.put(url(cache_proxy, "k3"), content=b"x", auth=READER).status_code == 403
+    assert (
+        httpx.put(url(cache_proxy, "k4"), content=os.urandom(2_000_000), auth=CI).status_code == 413
+    )
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: cut off at the limit
+        for _ in range(20):
+            yield os.urandom(100_000)
+
+    assert httpx.put(url(cache_proxy, "k5"), content=chunks(), auth=CI).status_code == 413
+    assert httpx.get(url(cache_proxy, "k6")).status_code == 404  # not an upload
+    after = {r: uploads(r) for r in before}
+    assert {r: after[r] - before[r] for r in before} == {
+        "stored": 1,
+        "unauthorized": 1,
+        "forbidden": 1,
+        "too_large": 2,
+    }

@@ -305,39 +305,83 @@ def test_fifty_concurrent_requests_make_one_upstream_get(
     assert upstream.count(JAR) == 1
 
 
-def test_head_on_a_cached_path_reads_no_body_and_on_a_miss_asks_with_head(
-    maven_proxy: ServerThread, upstream: FakeUpstream
+def _upstream_requests(upstream: FakeUpstream, since: int) -> list[tuple[str, str]]:
+    return [(method, path) for method, path, _headers in upstream.request_headers[since:]]
+
+
+def test_a_head_miss_makes_exactly_the_upstream_requests_a_get_miss_makes(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
+    """Freshness is the engine's: a HEAD for an uncached artifact goes the miss path of
+    a GET (single flight, lease, verification, negative entries), never straight to the
+    upstream, and answers from the entry it stores."""
     body = os.urandom(50_000)
     publish(upstream, JAR, body)
-    head = httpx.head(maven_proxy.url + "/maven" + JAR)
-    assert head.status_code == 200
+    proxies = []
+    for name in ("by-get", "by-head"):
+        config = write_config(
+            tmp_path, maven_config(tmp_path / name, [upstream.base_url]), f"{name}.toml"
+        )
+        proxies.append(start_proxy(load(config, {})))
+    by_get, by_head = proxies
+    start = len(upstream.request_headers)
+    got = httpx.get(by_get.url + "/maven" + JAR)
+    assert got.status_code == 200 and got.content == body
+    after_get = len(upstream.request_headers)
+    head = httpx.head(by_head.url + "/maven" + JAR)
+    assert head.status_code == 200 and head.content == b""
     assert head.headers["content-length"] == str(len(body))
-    assert upstream.count(JAR, "HEAD") == 1
-    assert upstream.count(JAR) == 0  # no download to answer a HEAD
-    assert (
-        httpx.head(maven_proxy.url + "/maven/org/example/lib/1.0/lib-1.0-absent.jar").status_code
-        == 404
-    )
-    httpx.get(maven_proxy.url + "/maven" + JAR)
-    cached = httpx.head(maven_proxy.url + "/maven" + JAR)
-    assert cached.status_code == 200 and cached.content == b""
-    assert cached.headers["content-length"] == str(len(body))
-    assert upstream.count(JAR, "HEAD") == 1 and upstream.count(JAR) == 1
+    get_requests = sorted(_upstream_requests(upstream, start)[: after_get - start])
+    head_requests = sorted(_upstream_requests(upstream, after_get))
+    assert head_requests == get_requests
+    assert ("GET", JAR) in head_requests and all(m == "GET" for m, _ in head_requests)
+    # The HEAD stored the file: a GET and another HEAD are hits.
+    assert httpx.get(by_head.url + "/maven" + JAR).content == body
+    cached = httpx.head(by_head.url + "/maven" + JAR)
+    assert cached.headers["etag"] == got.headers["etag"]
+    assert cached.headers["x-checksum-sha1"] == hashlib.sha1(body).hexdigest()
+    assert upstream.count(JAR) == 2 and upstream.count(JAR, "HEAD") == 0
+    # A miss confirmed upstream is a negative entry, whichever method found it.
+    absent = "/org/example/lib/1.0/lib-1.0-absent.jar"
+    assert httpx.head(by_head.url + "/maven" + absent).status_code == 404
+    assert httpx.head(by_head.url + "/maven" + absent).status_code == 404
+    assert httpx.get(by_head.url + "/maven" + absent).status_code == 404
+    assert upstream.count(absent) == 1 and upstream.count(absent, "HEAD") == 0
 
 
-def test_a_head_probe_without_a_length_falls_back_to_get(
+def test_heads_and_gets_of_one_miss_share_one_fetch(
     maven_proxy: ServerThread, upstream: FakeUpstream
 ) -> None:
-    """An upstream HEAD that states no length never becomes "Content-Length: 0": the
-    proxy fetches the file and answers with its real length."""
+    body = os.urandom(2_000_000)
+    publish(upstream, JAR, body)
+    upstream.fault(JAR, chunk_size=64 * 1024, chunk_delay_s=0.01)
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            url = maven_proxy.url + "/maven" + JAR
+            return await asyncio.gather(
+                *(client.request("HEAD" if i % 2 else "GET", url) for i in range(10))
+            )
+
+    answers = asyncio.run(together())
+    assert {a.status_code for a in answers} == {200}
+    assert {a.headers["content-length"] for a in answers} == {str(len(body))}
+    assert [a.content for a in answers if a.request.method == "GET"] == [body] * 5
+    assert upstream.count(JAR) == 1 and upstream.count(JAR, "HEAD") == 0
+
+
+def test_a_head_miss_whose_upstream_states_no_length_answers_the_real_length(
+    maven_proxy: ServerThread, upstream: FakeUpstream
+) -> None:
+    """A body of unknown length is read to its end before the answer (never a
+    "Content-Length: 0")."""
     body = os.urandom(50_000)
     publish(upstream, JAR, body)
     upstream.fault(JAR, chunked=True)
     head = httpx.head(maven_proxy.url + "/maven" + JAR)
     assert head.status_code == 200
     assert head.headers["content-length"] == str(len(body))
-    assert upstream.count(JAR, "HEAD") == 1 and upstream.count(JAR) == 1
+    assert upstream.count(JAR, "HEAD") == 0 and upstream.count(JAR) == 1
 
 
 def test_range_resume_with_if_unmodified_since(
@@ -502,15 +546,3 @@ def test_retry_after_of_an_upstream_is_passed_on(
     response = httpx.get(maven_proxy.url + "/maven" + JAR)
     assert response.status_code == 503
     assert response.headers["retry-after"] == "30"
-
-
-def test_head_falls_back_to_get_when_the_upstream_refuses_head(
-    maven_proxy: ServerThread, upstream: FakeUpstream
-) -> None:
-    body = os.urandom(1000)
-    publish(upstream, POM, body)
-    upstream.fault(POM, status=405)  # applies to HEAD and GET alike here ...
-    upstream.faults[POM].times = 1  # ... but only once: the HEAD
-    head = httpx.head(maven_proxy.url + "/maven" + POM)
-    assert head.status_code == 200
-    assert head.headers["content-length"] == str(len(body))

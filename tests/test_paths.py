@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.exceptions import ClientError
+from proxy.http.errors import rule_for
 from proxy.http.paths import MAX_HEADER_BYTES, MAX_PATH_BYTES, check_headers, split_path
 
 
@@ -44,7 +45,7 @@ def test_split_path(raw: bytes, expected: tuple[str, str]) -> None:
 def test_split_path_refuses(raw: bytes, status: int) -> None:
     with pytest.raises(ClientError) as info:
         split_path(raw)
-    assert info.value.status == status
+    assert rule_for(info.value).status == status
 
 
 def test_header_limit() -> None:
@@ -52,4 +53,4 @@ def test_header_limit() -> None:
     check_headers([(b"x", b"a" * (MAX_HEADER_BYTES - 10))])
     with pytest.raises(ClientError) as info:
         check_headers([(b"x", b"a" * MAX_HEADER_BYTES)])
-    assert info.value.status == 431
+    assert rule_for(info.value).status == 431

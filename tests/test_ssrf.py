@@ -7,7 +7,7 @@ import ipaddress
 
 import pytest
 
-from proxy.exceptions import UpstreamUnavailable
+from proxy.exceptions import AddressRefused
 from proxy.upstream.ssrf import AddressPolicy, address_kind
 
 pytestmark = pytest.mark.anyio
@@ -55,7 +55,7 @@ async def test_configured_upstreams_are_trusted_as_written() -> None:
     policy = AddressPolicy("r", ("http://127.0.0.1:8080/simple/",))
     target = await policy.vet("http://127.0.0.1:8080/packages/a.whl")
     assert target.url == "http://127.0.0.1:8080/packages/a.whl" and target.host_header is None
-    with pytest.raises(UpstreamUnavailable, match=r"loopback.*repositories\.r\.allow_hosts"):
+    with pytest.raises(AddressRefused, match=r"loopback.*repositories\.r\.allow_hosts"):
         await policy.vet("http://127.0.0.1:9090/secret")  # another port is another origin
 
 
@@ -78,7 +78,7 @@ async def test_configured_upstreams_are_trusted_as_written() -> None:
     ],
 )
 async def test_internal_or_odd_urls_are_refused(url: str) -> None:
-    with pytest.raises(UpstreamUnavailable, match="refused to fetch"):
+    with pytest.raises(AddressRefused, match="refused to fetch"):
         await AddressPolicy("r", ()).vet(url)
 
 
@@ -89,7 +89,7 @@ async def test_allow_hosts_by_name_suffix_and_network() -> None:
     by_suffix = AddressPolicy("r", (), ("*.localhost",))
     assert by_suffix.allowed_suffixes == [".localhost"]
     assert (await AddressPolicy("r", (), ("127.0.0.0/8",)).vet("http://127.0.0.2/x")).url
-    with pytest.raises(UpstreamUnavailable):
+    with pytest.raises(AddressRefused):
         await AddressPolicy("r", (), ("10.0.0.0/8",)).vet("http://127.0.0.2/x")
 
 

@@ -24,6 +24,7 @@ from proxy.config.options import (
     Choice,
     Duration,
     Flag,
+    Hosts,
     Integer,
     OptionalSize,
     OptionType,
@@ -31,6 +32,7 @@ from proxy.config.options import (
     Rate,
     Size,
     Text,
+    Urls,
     options_of,
 )
 from proxy.config.settings import (
@@ -74,12 +76,12 @@ from proxy.config.settings import (
     UpstreamSettings,
     upstream_env_var,
 )
-from proxy.exceptions import ConfigError
+from proxy.contract import ENGINE_REPOSITORY_KEYS, FormatPlugin
+from proxy.exceptions import ConfigError, InvalidPlugin
 from proxy.mirror.purls import parse_purl
 from proxy.redaction import redact_url
 
-# Keys the engine adds to every repository whose format proxies an upstream.
-PROXY_REPOSITORY_KEYS: dict[str, OptionType[Any]] = {"retention": Duration(positive=True)}
+RETENTION = Duration(positive=True)
 RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico"})
 _REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _ENV_REF_RE = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
@@ -99,8 +101,9 @@ class Needs:
         section = key.split(".", 1)[0].split("[", 1)[0]
         if section == "repositories":
             if self.repositories == "mirrors":
-                return repository_format is not None and bool(
-                    formats.plugin(repository_format).purl_types
+                return (
+                    repository_format is not None
+                    and formats.plugin(repository_format).mirroring is not None
                 )
             return self.repositories == "all"
         return self.sections is None or section in self.sections
@@ -337,7 +340,7 @@ class _Parser:
                 self.error(f"repositories.{repo.name}.name", "is used by two repositories")
             seen.add(repo.name)
             env_var = upstream_env_var(repo.name)
-            if repo.is_proxy and env_var in env_vars:
+            if repo.proxies and env_var in env_vars:
                 self.error(
                     f"repositories.{repo.name}.name",
                     f"its upstream variable {env_var} is also that of repository "
@@ -454,12 +457,16 @@ class _Parser:
     def _repository_options(
         self, raw: dict[str, Any], name: str, where: str, fmt: str
     ) -> RepositorySettings[Any] | None:
-        plugin = formats.plugin(fmt)
+        try:
+            plugin = formats.plugin(fmt)
+        except InvalidPlugin as exc:
+            self.error(f"{where}.format", f"cannot be used: {exc}")
+            return None
         declared = list(options_of(plugin.options))
         allowed = {option.key for _, option, _ in declared} | {"name", "format"}
-        is_proxy = any(option.key == "upstream" for _, option, _ in declared)
+        is_proxy = plugin.proxying is not None
         if is_proxy:
-            allowed |= set(PROXY_REPOSITORY_KEYS)
+            allowed |= set(ENGINE_REPOSITORY_KEYS)
         for key in raw:
             if key not in allowed:
                 self.error(
@@ -469,35 +476,54 @@ class _Parser:
         errors_before = len(self.errors)
         values: dict[str, Any] = {}
         for field_name, option, default in declared:
-            key = f"{where}.{option.key}"
             value: object = raw.get(option.key)
-            env_var = upstream_env_var(name)
-            if option.key == "upstream" and self.environ.get(env_var):
-                key = env_var
-                # Taken as written: "$" in an environment value is not a ${VAR} reference.
-                value = [
-                    u.strip().replace("$", "$$")
-                    for u in self.environ[env_var].split(",")
-                    if u.strip()
-                ]
             if value is None:
                 values[field_name] = default
                 continue
-            parsed = option.kind.parse(value, key, self)
+            parsed = option.kind.parse(value, f"{where}.{option.key}", self)
             values[field_name] = default if parsed is None else parsed
-        if len(self.errors) > errors_before:
-            return None
-        retention_s = (
-            self.value(raw, where, "retention", PROXY_REPOSITORY_KEYS["retention"])
-            if is_proxy
-            else None
-        )
+        upstreams: tuple[str, ...] = ()
+        allow_hosts: tuple[str, ...] = ()
+        retention_s = None
+        if is_proxy:
+            upstreams = self.upstreams(raw, name, plugin)
+            allow_hosts = self.value(raw, where, "allow_hosts", Hosts(), ())
+            retention_s = self.value(raw, where, "retention", RETENTION)
         if len(self.errors) > errors_before:
             return None
         options = plugin.options(**values)
         for key, message in (plugin.validate or _no_checks)(options):
             self.error(f"{where}.{key}", message)
-        return RepositorySettings(name=name, format=fmt, options=options, retention_s=retention_s)
+        return RepositorySettings(
+            name=name,
+            format=fmt,
+            options=options,
+            proxies=is_proxy,
+            upstreams=upstreams,
+            allow_hosts=allow_hosts,
+            retention_s=retention_s,
+        )
+
+    def upstreams(
+        self, raw: dict[str, Any], name: str, plugin: FormatPlugin[Any, Any]
+    ) -> tuple[str, ...]:
+        """The upstream URLs of a proxying repository: ``PROXY_UPSTREAM_<NAME>`` (comma
+        separated) wins over the ``upstream`` key; none yet is valid (the engine answers
+        503 naming the setting until one is set)."""
+        assert plugin.proxying is not None
+        kind = Urls(max_count=plugin.proxying.max_upstreams)
+        key = f"repositories.{name}.upstream"
+        value: object = raw.get("upstream")
+        env_var = upstream_env_var(name)
+        if self.environ.get(env_var):
+            key = env_var
+            # Taken as written: "$" in an environment value is not a ${VAR} reference.
+            value = [
+                u.strip().replace("$", "$$") for u in self.environ[env_var].split(",") if u.strip()
+            ]
+        if value is None:
+            return ()
+        return kind.parse(value, key, self) or ()
 
     # -- mirrors ------------------------------------------------------------------------
 
@@ -550,9 +576,9 @@ class _Parser:
                 sbom = Path(source).resolve().parent / sbom  # beside the config file
         repository = self.value(raw, where, "repository", Text())
         mirrorable = {
-            repo.name: formats.plugin(repo.format).purl_types
+            repo.name: mirroring.purl_types
             for repo in repositories
-            if formats.plugin(repo.format).purl_types
+            if (mirroring := formats.plugin(repo.format).mirroring) is not None
         }
         if repository is not None and repository not in mirrorable:
             choices = ", ".join(mirrorable) or "none is configured"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from proxy.config.options import Percent, options_of, toml_string
+from proxy.config.options import Hosts, Percent, Urls, options_of, toml_string
 from proxy.redaction import redact
 from proxy.units import format_duration, format_size
 
@@ -59,25 +59,13 @@ class RepositorySettings(Generic[OptionsT]):
     name: str
     format: str
     options: OptionsT  # the format's own settings dataclass
-    # Engine keys of a proxying repository (the config layer adds them to every format
-    # with an upstream): entries not accessed for this long are removed (None: kept).
-    retention_s: float | None = None
-
-    @property
-    def upstreams(self) -> tuple[str, ...]:
-        upstreams: tuple[str, ...] = getattr(self.options, "upstream", ())
-        return upstreams
-
-    @property
-    def is_proxy(self) -> bool:
-        """Does this repository fetch from upstreams (rather than store uploads)?"""
-        return hasattr(self.options, "upstream")
-
-    @property
-    def allow_hosts(self) -> tuple[str, ...]:
-        """Internal hosts this repository's upstream-listed URLs may reach (SSRF policy)."""
-        hosts: tuple[str, ...] = getattr(self.options, "allow_hosts", ())
-        return hosts
+    # The engine's keys of a repository whose format declares proxying (the config
+    # layer reads them for every such format; contract.ENGINE_REPOSITORY_KEYS).
+    proxies: bool = False
+    upstreams: tuple[str, ...] = ()  # tried in order; empty: not configured yet
+    # Internal hosts this repository's upstream-listed URLs may reach (SSRF policy).
+    allow_hosts: tuple[str, ...] = ()
+    retention_s: float | None = None  # entries not accessed for this long go (None: kept)
 
     @property
     def upstream_setting(self) -> str:
@@ -258,13 +246,17 @@ class Settings:
         ]
         for repo in self.repositories:
             lines += ["", "[[repositories]]", f'name = "{repo.name}"', f'format = "{repo.format}"']
+            if repo.proxies and repo.upstreams:
+                lines.append(f"upstream = {Urls().render(repo.upstreams)}")
+            elif repo.proxies:
+                lines.append(f"# upstream is not set: set {repo.upstream_setting}")
             for field_name, declared, _default in options_of(type(repo.options)):
                 value = getattr(repo.options, field_name)
-                if declared.key == "upstream" and not value:
-                    lines.append(f"# upstream is not set: set {repo.upstream_setting}")
-                elif value is not None:
+                if value is not None:
                     for line in _render(declared.key, declared.kind.render(value)):
                         lines.append(line)
+            if repo.proxies:
+                lines.append(f"allow_hosts = {Hosts().render(repo.allow_hosts)}")
             if repo.retention_s is not None:
                 lines.append(f'retention = "{format_duration(repo.retention_s)}"')
         for mirror in self.mirrors:

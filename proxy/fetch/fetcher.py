@@ -25,9 +25,11 @@ from proxy.contract import Fetched, FetchSpec, OriginContext, Status
 from proxy.exceptions import (
     CatalogError,
     DigestMismatch,
+    FetchError,
     ProxyError,
     ShuttingDown,
     StorageError,
+    TransferCut,
     UpstreamError,
     UpstreamUnavailable,
 )
@@ -208,7 +210,7 @@ class Fetcher:
             if flight.transfer is not None and not flight.transfer.concluded():
                 # Not reached when _conclude did its work; a last guard so that no client
                 # of this flight ever waits for a source nobody will give it.
-                flight.transfer.fail(UpstreamUnavailable(f"{miss.key}: the fetch ended"))
+                flight.transfer.fail(TransferCut(f"{miss.key}: the fetch ended"))
 
     async def _resolve(self, miss: Miss, stale: Entry | None, flight: _Flight) -> None:
         if not miss.spec.storable:
@@ -257,7 +259,7 @@ class Fetcher:
                     # Our clients were reading that replica's download: it failed (say, a
                     # digest mismatch), so theirs end short, as the holder's own do.
                     flight.transfer.fail(
-                        UpstreamUnavailable(f"{miss.key}: the download by another replica failed")
+                        TransferCut(f"{miss.key}: the download by another replica failed")
                     )
                     return
                 if stale is not None:
@@ -296,7 +298,7 @@ class Fetcher:
                 await transfer.stored(*flight.published, None)
             else:
                 transfer.fail(
-                    UpstreamUnavailable(f"{miss.key}: the fetch ended without the body being read")
+                    TransferCut(f"{miss.key}: the fetch ended without the body being read")
                 )
 
     async def _follow(self, miss: Miss, flight: _Flight, stream: StreamInfo) -> None:
@@ -384,7 +386,7 @@ class Fetcher:
                         await self._store_body(miss, fetched, flight, held)
                         outcome = "stored"
                 state = "done"
-            except UpstreamError as exc:
+            except FetchError as exc:
                 state = "failed"
                 if isinstance(exc, DigestMismatch):
                     metrics.DIGEST_MISMATCHES.labels(repository=miss.repository).inc()

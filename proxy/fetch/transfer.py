@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.catalog import Entry
-from proxy.exceptions import ProxyError, ShuttingDown, UpstreamUnavailable
+from proxy.exceptions import BodyChanged, ProxyError, ShuttingDown, TransferCut
 from proxy.fetch.download import Download
 from proxy.runtime.blocking import run_blocking
 
@@ -42,10 +42,6 @@ SHARED_POLL_S = 0.01  # how often a shared file's size is looked at while reader
 DIGEST_READ_BYTES = 1024 * 1024
 
 Spawn = Callable[[str, Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
-
-
-class BodyChanged(UpstreamUnavailable):
-    """The new download does not begin with the bytes already sent: clients are cut."""
 
 
 class Source(Protocol):
@@ -206,7 +202,7 @@ class SharedFile:
     async def read(self, offset: int, size: int) -> bytes:
         fd = self._fd
         if fd is None:
-            raise UpstreamUnavailable("the shared download was closed")
+            raise TransferCut("the shared download was closed")
         return await run_blocking(os.pread, fd, size, offset)
 
     def prefix_digest(self, length: int) -> str:
@@ -346,7 +342,7 @@ class Transfer:
         try:
             blob = await SharedFile.open(blob_path, self.content_type, size, self._spawn, True)
         except OSError as exc:
-            self.fail(UpstreamUnavailable(f"the stored body cannot be read: {exc}"))
+            self.fail(TransferCut(f"the stored body cannot be read: {exc}"))
             return
         if self._done.is_set():  # failed (maybe handed on) while the blob was opened
             blob.close()
@@ -439,7 +435,7 @@ class Transfer:
             if self._source is not None:
                 return
             if self._blob_path is None:
-                raise UpstreamUnavailable("the download ended before this reader started")
+                raise TransferCut("the download ended before this reader started")
             self._source = await SharedFile.open(
                 self._blob_path, self.content_type, self.total, self._spawn, complete=True
             )
@@ -472,7 +468,7 @@ class Transfer:
                 self.fail(
                     exc
                     if isinstance(exc, ProxyError)
-                    else UpstreamUnavailable(f"cannot continue from the new download: {exc}")
+                    else TransferCut(f"cannot continue from the new download: {exc}")
                 )
                 return
             old, self._source = self._source, new
@@ -552,14 +548,14 @@ class Reader:
         were not proven: ask for the next span)."""
         try:
             data = await span.source.read(self.offset, min(size, span.end - self.offset))
-        except (OSError, UpstreamUnavailable):
+        except (OSError, TransferCut):
             if self.transfer._current(span):
                 raise
             return b""  # closed by a switch to a proven source under our read: go on
         if not self.transfer._current(span):
             return b""
         if not data:
-            raise UpstreamUnavailable(f"the body file ended at {self.offset} bytes")
+            raise TransferCut(f"the body file ended at {self.offset} bytes")
         self.sent(len(data))
         return data
 

@@ -3,14 +3,28 @@
 Adding a format is one new module that defines ``FORMAT = FormatPlugin(...)`` (see
 ``proxy/contract.py`` and docs/architecture.md, "Adding a format") and one line here.
 Modules are imported on first use, so a format's code is not loaded unless configured.
+A plugin is checked the first time it is loaded (``verify``): what it declares it
+provides must be there, or it is refused with an error naming the format and every
+problem, before any repository is built on it (pluggy verifies hook implementations
+against their specification the same way).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import inspect
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from proxy.contract import FormatPlugin
+from proxy.contract import (
+    ENGINE_REPOSITORY_KEYS,
+    FormatPlugin,
+    InvalidPlugin,
+    options_of,
+)
 
 REGISTRY: dict[str, str] = {
     "pypi": "proxy.formats.pypi",
@@ -19,9 +33,102 @@ REGISTRY: dict[str, str] = {
     "raw": "proxy.formats.raw",
 }
 
+_PURL_TYPE_RE = re.compile(r"^[a-z][a-z0-9.+-]*$")
 
-def plugin(name: str) -> FormatPlugin[Any]:
-    """The plugin registered as ``name``; KeyError if there is none."""
+
+@functools.cache
+def plugin(name: str) -> FormatPlugin[Any, Any]:
+    """The plugin registered as ``name``, verified; KeyError if there is none,
+    ``InvalidPlugin`` if it does not provide what it declares."""
     module = importlib.import_module(REGISTRY[name])
-    found: FormatPlugin[Any] = module.FORMAT
+    found = getattr(module, "FORMAT", None)
+    verify(found, name, where=REGISTRY[name])
+    assert isinstance(found, FormatPlugin)
     return found
+
+
+def verify(candidate: object, name: str, where: str = "") -> None:
+    """Refuse a plugin that lacks what it declares: ``InvalidPlugin`` naming the format
+    (and its module) and every problem found."""
+    problems = list(_problems(candidate, name))
+    if problems:
+        origin = f" ({where}.FORMAT)" if where else ""
+        raise InvalidPlugin(f"format {name!r}{origin}: " + "; ".join(problems))
+
+
+def _problems(candidate: object, name: str) -> Iterator[str]:
+    if not isinstance(candidate, FormatPlugin):
+        yield f"FORMAT must be a contract.FormatPlugin, not {type(candidate).__name__}"
+        return
+    plugin = candidate
+    if plugin.name != name:
+        yield f"it is registered as {name!r} but names itself {plugin.name!r}"
+    yield from _options_problems(plugin)
+    serving = [c for c in (plugin.proxying, plugin.hosting) if c is not None]
+    if not serving:
+        yield (
+            "it declares neither proxying nor hosting, so nothing would answer its "
+            "repositories' requests (set FormatPlugin.proxying or .hosting)"
+        )
+    elif len(serving) == 2:
+        yield "it declares both proxying and hosting; a repository is served one way"
+    for capability in serving:
+        yield from _callable_problems(
+            capability.build, f"{type(capability).__name__.lower()}.build", positional=2
+        )
+    if plugin.hosting is not None and plugin.hosting.max_size is not None:
+        yield from _callable_problems(plugin.hosting.max_size, "hosting.max_size", positional=1)
+    mirroring = plugin.mirroring
+    if mirroring is not None:
+        if plugin.proxying is None:
+            yield "it declares mirroring without proxying: a mirror warms keys fetched upstream"
+        if not mirroring.purl_types:
+            yield "mirroring.purl_types is empty: it would mirror no package"
+        for purl_type in mirroring.purl_types:
+            if not isinstance(purl_type, str) or not _PURL_TYPE_RE.match(purl_type):
+                yield f"mirroring.purl_types: {purl_type!r} is not a purl type"
+        if not inspect.iscoroutinefunction(mirroring.keys):
+            yield "mirroring.keys must be an async function (adapter, package, versions)"
+        else:
+            yield from _callable_problems(mirroring.keys, "mirroring.keys", positional=3)
+    if plugin.proxying is not None:
+        limit = plugin.proxying.max_upstreams
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            yield f"proxying.max_upstreams must be a positive number or None, not {limit!r}"
+    default = plugin.default_repository
+    if default is not None and default.get("format") != name:
+        yield f"default_repository must say format = {name!r}"
+
+
+def _options_problems(plugin: FormatPlugin[Any, Any]) -> Iterator[str]:
+    options = plugin.options
+    if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        yield "options must be a dataclass of option(...) fields"
+        return
+    if not options.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        yield "options must be a frozen dataclass (settings never change)"
+    declared = {field_name: option.key for field_name, option, _ in options_of(options)}
+    for field in dataclasses.fields(options):
+        if field.name not in declared:
+            yield f"options.{field.name} is not an option(...) the config layer can fill"
+        elif field.default is dataclasses.MISSING:
+            yield f"options.{field.name} has no default"
+    if plugin.proxying is not None:
+        taken = sorted(set(declared.values()) & set(ENGINE_REPOSITORY_KEYS))
+        if taken:
+            yield (
+                f"options declare {', '.join(taken)}, which the engine provides to every "
+                "proxying repository (read RepositorySettings.upstreams/.allow_hosts)"
+            )
+
+
+def _callable_problems(fn: Callable[..., Any], what: str, positional: int) -> Iterator[str]:
+    if not callable(fn):
+        yield f"{what} is not callable"
+        return
+    try:
+        inspect.signature(fn).bind(*range(positional))
+    except TypeError as exc:
+        yield f"{what} cannot be called with {positional} arguments ({exc})"
+    except ValueError:
+        pass  # no signature to inspect (a builtin): take it on trust

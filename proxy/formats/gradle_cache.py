@@ -21,8 +21,9 @@ from proxy.contract import (
     BadRequest,
     Choice,
     Forbidden,
-    FormatContext,
     FormatPlugin,
+    HostedContext,
+    Hosting,
     MethodNotAllowed,
     OptionalSize,
     PayloadTooLarge,
@@ -107,10 +108,10 @@ def _warnings(repo: RepositorySettings[BuildCacheOptions], listen_host: str) -> 
 
 
 class BuildCacheRepository:
-    def __init__(self, settings: RepositorySettings[BuildCacheOptions], ctx: FormatContext) -> None:
+    def __init__(self, settings: RepositorySettings[BuildCacheOptions], ctx: HostedContext) -> None:
         self.options = settings.options
         self.name = settings.name
-        self.cache = ctx.cache
+        self.store = ctx.store
         self.responses = ctx.responses
         self.users = {user.name: user for user in self.options.users}
         self.challenge = f'Basic realm="{self.name}", charset="UTF-8"'
@@ -127,19 +128,10 @@ class BuildCacheRepository:
                 f"{key!r} is not a build cache key: use letters, digits, '.', '_' and '-' "
                 "(starting with a letter or digit), at most 256 characters"
             )
-        try:
-            self._authorize(request, "write" if request.method == "PUT" else "read")
-        except Unauthorized:
-            if request.method == "PUT":
-                self.cache.count_upload("unauthorized")
-            raise
-        except Forbidden:
-            if request.method == "PUT":
-                self.cache.count_upload("forbidden")
-            raise
+        self._authorize(request, "write" if request.method == "PUT" else "read")
         if request.method == "PUT":
             return await self._put(request, key)
-        return await self.cache.serve_upload(key, request, CONTENT_TYPE)
+        return await self.store.serve(key, request, CONTENT_TYPE)
 
     def _authorize(self, request: Request, needed: str) -> None:
         header = request.headers.get("authorization")
@@ -173,21 +165,20 @@ class BuildCacheRepository:
             if not declared.isdigit():
                 raise BadRequest(f"Content-Length {declared!r} is not a number")
             if int(declared) > limit:
-                self.cache.count_upload("too_large")
                 # Decided before any body byte is read: with Expect: 100-continue the
                 # client never sends it.
                 raise PayloadTooLarge(
                     f"{key}: {declared} bytes is over this cache's {limit}-byte entry limit"
                 )
         content_type = request.headers.get("content-type") or CONTENT_TYPE
-        await self.cache.store_upload(key, request.body(), limit, content_type)
+        await self.store.store(key, request.body(), limit, content_type)
         return self.responses.empty(201)
 
 
 FORMAT = FormatPlugin(
     name="gradle-build-cache",
     options=BuildCacheOptions,
-    build=BuildCacheRepository,
+    hosting=Hosting(build=BuildCacheRepository, max_size=lambda options: options.max_size),
     default_repository={
         "name": "gradle-cache",
         "format": "gradle-build-cache",
@@ -195,5 +186,4 @@ FORMAT = FormatPlugin(
     },
     validate=_validate,
     warnings=_warnings,
-    max_size=lambda options: options.max_size,
 )

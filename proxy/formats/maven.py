@@ -30,26 +30,28 @@ from proxy.contract import (
     Digests,
     Duration,
     Fetched,
+    FetchError,
     FetchSpec,
-    FormatContext,
     FormatPlugin,
-    Hosts,
     Kind,
     MethodNotAllowed,
+    Mirroring,
     MirrorVersions,
     NotFound,
     OriginContext,
     PackageRef,
+    ProxyContext,
+    Proxying,
     RepositorySettings,
     Request,
     Response,
+    RetryLater,
     Status,
+    UpstreamBusy,
     UpstreamClient,
-    UpstreamError,
     UpstreamResponse,
     UpstreamTimeout,
     UpstreamUnavailable,
-    Urls,
     Validators,
     option,
 )
@@ -60,7 +62,9 @@ CHECKSUM_EXTENSIONS = {".sha1": "sha1", ".md5": "md5", ".sha256": "sha256", ".sh
 CHECKSUM_HEX_LENGTHS = {"sha1": 40, "md5": 32, "sha256": 64, "sha512": 128}
 CHECKSUM_STRENGTH = ("sha512", "sha256", "sha1", "md5")  # verify with the first present
 CHECKSUM_BODY_LIMIT_BYTES = 4096
-ALL_DIGESTS = ("md5", "sha1", "sha256", "sha512")
+ALL_DIGESTS = ("md5", "sha1", "sha256", "sha512")  # kept for every file (checksum requests)
+# The X-Checksum-* headers of an answer: Resolver checks them against the body.
+CHECKSUM_HEADER_DIGESTS = ("sha1", "md5", "sha256")
 PREFIXES_FILE = ".meta/prefixes.txt"
 METADATA_BODY_LIMIT_BYTES = 16 * 1024 * 1024
 # Maven's `type` (a purl qualifier) -> (file extension, classifier it implies).
@@ -139,7 +143,6 @@ def parse_path(path: str) -> MavenPath:
 
 @dataclass(frozen=True)
 class MavenOptions:
-    upstream: tuple[str, ...] = option(Urls(), ())  # tried in order
     metadata_ttl_s: float = option(Duration(), 1800.0, key="metadata_ttl")
     snapshot_ttl_s: float = option(Duration(), 60.0, key="snapshot_ttl")
     negative_ttl_s: float = option(Duration(), 300.0, key="negative_ttl")
@@ -147,15 +150,14 @@ class MavenOptions:
     # logged as unverified; "require": it is refused (502). A checksum file that could
     # not be read (5xx, timeout) stores nothing in either case: a later request verifies.
     checksum_policy: str = option(Choice("warn", "require"), "warn")
-    allow_hosts: tuple[str, ...] = option(Hosts(), ())
 
 
 class MavenRepository:
-    def __init__(self, settings: RepositorySettings[MavenOptions], ctx: FormatContext) -> None:
+    def __init__(self, settings: RepositorySettings[MavenOptions], ctx: ProxyContext) -> None:
         self.options = settings.options
+        self.upstreams = settings.upstreams  # tried in order
         self.name = settings.name
         self.cache = ctx.cache
-        self.upstream = ctx.upstream
         self.responses = ctx.responses
 
     async def handle(self, request: Request) -> Response:
@@ -166,7 +168,7 @@ class MavenRepository:
                 allowed=("GET", "HEAD"),
             )
         if request.path == PREFIXES_FILE:
-            if len(self.options.upstream) > 1:
+            if len(self.upstreams) > 1:
                 # One upstream's prefix list would hide every other upstream's artifacts.
                 raise NotFound(
                     f"{PREFIXES_FILE} is not served by a repository with several upstreams"
@@ -177,11 +179,9 @@ class MavenRepository:
         spec = self._spec(maven_path)
         if maven_path.checksum is not None:
             return await self._checksum(request, spec, maven_path.checksum)
-        if request.method == "HEAD" and not await self.cache.is_fresh(spec.key):
-            probed = await self._probe(maven_path)
-            if probed is not None:
-                return probed
-        return await self.cache.respond(spec, request, checksum_headers=True)
+        # A HEAD too: the engine decides whether the upstream is asked (docs/architecture.md,
+        # "The request path of a miss"), so a HEAD miss fetches the file like a GET.
+        return await self.cache.respond(spec, request, digest_headers=checksum_headers)
 
     def _spec(self, maven_path: MavenPath) -> FetchSpec:
         ttl_s = None
@@ -193,7 +193,7 @@ class MavenRepository:
             key=maven_path.path,
             kind=maven_path.kind,
             origin=MavenOrigin(
-                self.options.upstream,
+                self.upstreams,
                 maven_path.path,
                 verify=maven_path.kind is Kind.IMMUTABLE,
                 require_checksum=self.options.checksum_policy == "require",
@@ -237,40 +237,9 @@ class MavenRepository:
         """
         digests = await self.cache.served_digests(spec)
         if algorithm not in digests:
-            raise UpstreamUnavailable(f"{spec.key}: checksum not available yet; retry", status=503)
+            raise RetryLater(f"{spec.key}: checksum not available yet; retry")
         body = digests[algorithm].encode()
         return self.responses.inline(request, body, "text/plain; charset=utf-8")
-
-    async def _probe(self, maven_path: MavenPath) -> Response | None:
-        """HEAD on a miss: ask the upstreams with HEAD instead of downloading the body.
-
-        None if an upstream does not do HEAD (405/501) or gives no length for the bytes
-        a GET would serve: the caller falls back to GET (a HEAD never claims 0 bytes).
-        """
-        errors: list[UpstreamError] = []
-        for base in self.options.upstream:
-            try:
-                async with self.upstream.open("HEAD", base + maven_path.path) as response:
-                    status = response.status
-                    if status in NOT_FOUND_STATUSES:
-                        continue
-                    if status in (405, 501):
-                        return None
-                    if status != 200:
-                        errors.append(UpstreamUnavailable(f"{base}: HEAD answered {status}"))
-                        continue
-                    if response.length is None:
-                        return None
-                    headers = {
-                        "content-type": _content_type(maven_path.path, response),
-                        "content-length": str(response.length),
-                    }
-                    return self.responses.empty(200, headers)
-            except UpstreamError as exc:
-                errors.append(exc)
-        if errors:
-            raise _outage(maven_path.path, errors)
-        raise NotFound(f"{maven_path.path} not found in any upstream")
 
 
 class MavenOrigin:
@@ -289,7 +258,7 @@ class MavenOrigin:
         # Validators are only meaningful to the upstream that issued them; with several
         # upstreams we do not know which one that was, so we ask unconditionally.
         headers = stale.conditional_headers() if stale and len(self.upstreams) == 1 else {}
-        errors: list[UpstreamError] = []
+        errors: list[FetchError] = []
         async with AsyncExitStack() as stack:
             found: tuple[str, UpstreamResponse] | None = None
             for base in self.upstreams:
@@ -299,7 +268,7 @@ class MavenOrigin:
                     response = await attempt.enter_async_context(
                         ctx.upstream.open("GET", base + self.path, headers)
                     )
-                except UpstreamError as exc:
+                except FetchError as exc:
                     errors.append(exc)
                     continue
                 if response.status in NOT_FOUND_STATUSES:
@@ -371,7 +340,7 @@ class MavenOrigin:
                         failures.append(f"{url} answered {response.status}")
                         return None
                     body = await response.read(CHECKSUM_BODY_LIMIT_BYTES)
-            except UpstreamError as exc:
+            except FetchError as exc:
                 failures.append(f"{url}: {exc}")
                 return None
             value = parse_checksum(body, algorithm)
@@ -398,6 +367,13 @@ class MavenOrigin:
             )
         log.warning("no upstream checksum for %s in %s; stored unverified", self.path, base)
         return {}
+
+
+def checksum_headers(digests: Digests) -> dict[str, str]:
+    """``X-Checksum-Sha1`` and friends, from the digests of the very bytes served."""
+    return {
+        f"x-checksum-{name}": digests[name] for name in CHECKSUM_HEADER_DIGESTS if name in digests
+    }
 
 
 def _retrieve_exception(task: asyncio.Task[Digests]) -> None:
@@ -483,25 +459,28 @@ def _content_type(path: str, response: UpstreamResponse) -> str:
     return "application/octet-stream"
 
 
-def _outage(path: str, errors: list[UpstreamError]) -> UpstreamError:
+def _outage(path: str, errors: list[FetchError]) -> FetchError:
+    """One error for every upstream having failed: a timeout if all timed out; "come
+    back later" (with the longest wait any of them stated) if any asked for it or our
+    own limit was reached; else the upstreams are unavailable."""
     detail = "; ".join(str(e) for e in errors)
     if all(isinstance(e, UpstreamTimeout) for e in errors):
         return UpstreamTimeout(f"{path}: upstreams timed out ({detail})")
-    status = 503 if any(getattr(e, "status", 502) == 503 for e in errors) else 502
-    waits = [
-        e.retry_after_s for e in errors if isinstance(e, UpstreamUnavailable) and e.retry_after_s
-    ]
-    return UpstreamUnavailable(
-        f"{path}: no upstream could answer ({detail})",
-        status=status,
-        retry_after_s=max(waits) if waits else None,
-    )
+    later = [e for e in errors if isinstance(e, UpstreamBusy | RetryLater)]
+    if later:
+        waits = [e.retry_after_s for e in later if e.retry_after_s]
+        wait_s = max(waits) if waits else None
+        message = f"{path}: no upstream could answer now ({detail})"
+        if all(isinstance(e, RetryLater) for e in later) and len(later) == len(errors):
+            return RetryLater(message, retry_after_s=wait_s)
+        return UpstreamBusy(message, retry_after_s=wait_s)
+    return UpstreamUnavailable(f"{path}: no upstream could answer ({detail})")
 
 
 FORMAT = FormatPlugin(
     name="maven",
     options=MavenOptions,
-    build=MavenRepository,
+    proxying=Proxying(build=MavenRepository),
+    mirroring=Mirroring(purl_types=("maven",), keys=MavenRepository.mirror),
     default_repository={"name": "maven", "format": "maven"},
-    purl_types=("maven",),
 )

@@ -27,27 +27,27 @@ from proxy.contract import (
     BadRequest,
     Duration,
     Fetched,
+    FetchError,
     FetchSpec,
-    FormatContext,
     FormatPlugin,
-    Hosts,
     Kind,
     Link,
     LinkBatch,
     MethodNotAllowed,
+    Mirroring,
     MirrorVersions,
     NotAcceptable,
     NotFound,
     OriginContext,
     PackageRef,
+    ProxyContext,
+    Proxying,
     RepositorySettings,
     Request,
     Response,
     Size,
     Status,
-    UpstreamError,
     UpstreamUnavailable,
-    Urls,
     Validators,
     option,
 )
@@ -62,22 +62,20 @@ DEFAULT_MAX_INDEX_SIZE = 64 * 2**20
 
 @dataclass(frozen=True)
 class PypiOptions:
-    upstream: tuple[str, ...] = option(Urls(max_count=1), ())  # a PEP 503/691 index
     metadata_ttl_s: float = option(Duration(), 600.0, key="metadata_ttl")
     negative_ttl_s: float = option(Duration(), 60.0, key="negative_ttl")
     max_index_size: int = option(Size(), DEFAULT_MAX_INDEX_SIZE)
-    allow_hosts: tuple[str, ...] = option(Hosts(), ())
 
 
 class PypiRepository:
-    def __init__(self, settings: RepositorySettings[PypiOptions], ctx: FormatContext) -> None:
+    def __init__(self, settings: RepositorySettings[PypiOptions], ctx: ProxyContext) -> None:
         self.options = settings.options
         self.name = settings.name
         self.cache = ctx.cache
         self.compute = ctx.compute
         self.responses = ctx.responses
         # The engine answers 503 for a repository without an upstream, before we are asked.
-        self.index_url = self.options.upstream[0] if self.options.upstream else ""
+        self.index_url = settings.upstreams[0] if settings.upstreams else ""  # a PEP 503/691 index
 
     async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
@@ -280,7 +278,7 @@ class IndexOrigin:
                 raise UpstreamUnavailable(
                     f"upstream page {self.url} is not a simple index: {exc}"
                 ) from exc
-            except UpstreamError:
+            except FetchError:
                 raise  # the parse itself failed (took too long, its process died)
             except Exception as exc:
                 # Input the parser or renderer did not foresee (e.g. CPython's HTMLParser
@@ -404,7 +402,7 @@ async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
 FORMAT = FormatPlugin(
     name="pypi",
     options=PypiOptions,
-    build=PypiRepository,
+    proxying=Proxying(build=PypiRepository, max_upstreams=1),
+    mirroring=Mirroring(purl_types=("pypi",), keys=PypiRepository.mirror),
     default_repository={"name": "pypi", "format": "pypi"},
-    purl_types=("pypi",),
 )

@@ -21,20 +21,19 @@ from proxy.contract import (
     Duration,
     Fetched,
     FetchSpec,
-    FormatContext,
     FormatPlugin,
     Globs,
-    Hosts,
     Kind,
     MethodNotAllowed,
     NotFound,
     OriginContext,
+    ProxyContext,
+    Proxying,
     RepositorySettings,
     Request,
     Response,
     Status,
     UpstreamUnavailable,
-    Urls,
     Validators,
     option,
 )
@@ -53,15 +52,13 @@ _PATH_SAFE = "-._~!$&'()*+,;=:@"  # RFC 3986 pchar, kept as is in upstream URLs
 
 @dataclass(frozen=True)
 class RawOptions:
-    upstream: tuple[str, ...] = option(Urls(max_count=1), ())
     mutable: tuple[str, ...] = option(Globs(), ())
     metadata_ttl_s: float = option(Duration(), 600.0, key="metadata_ttl")
     negative_ttl_s: float = option(Duration(), 60.0, key="negative_ttl")
-    allow_hosts: tuple[str, ...] = option(Hosts(), ())
 
 
 class RawRepository:
-    def __init__(self, settings: RepositorySettings[RawOptions], ctx: FormatContext) -> None:
+    def __init__(self, settings: RepositorySettings[RawOptions], ctx: ProxyContext) -> None:
         self.settings = settings
         self.options = settings.options
         self.cache = ctx.cache
@@ -77,7 +74,7 @@ class RawRepository:
                 f"/{request.repository}/{path}: a raw repository serves files, not folders"
             )
         mutable = any(fnmatch.fnmatchcase(path, pattern) for pattern in self.options.mutable)
-        url = self.options.upstream[0] + quote(path, safe="/" + _PATH_SAFE)
+        url = self.settings.upstreams[0] + quote(path, safe="/" + _PATH_SAFE)
         spec = FetchSpec(
             key=path,
             kind=Kind.METADATA if mutable else Kind.IMMUTABLE,
@@ -128,4 +125,6 @@ def _content_type(path: str, upstream_type: str | None) -> str:
     return guessed or "application/octet-stream"
 
 
-FORMAT = FormatPlugin(name="raw", options=RawOptions, build=RawRepository)
+FORMAT = FormatPlugin(
+    name="raw", options=RawOptions, proxying=Proxying(build=RawRepository, max_upstreams=1)
+)

@@ -25,21 +25,10 @@ from proxy.config.settings import Settings
 from proxy.contract import Request
 from proxy.contract import Response as ASGIResponse
 from proxy.engine import Engine, open_engine
-from proxy.exceptions import (
-    CatalogError,
-    ClientError,
-    NotConfigured,
-    ProxyError,
-    ShuttingDown,
-    StorageError,
-    UpstreamError,
-    UpstreamUnavailable,
-    describe_os_error,
-)
-from proxy.http import responses
+from proxy.exceptions import CatalogError, NotConfigured, NotFound, describe_os_error
+from proxy.http import errors, responses
 from proxy.http.access_log import AccessLogMiddleware
 from proxy.http.paths import check_headers, split_path
-from proxy.http.semantics import retry_after_header
 from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
@@ -121,7 +110,8 @@ def create_app(
 
 
 class Dispatcher:
-    """``/{repository}/...`` -> the repository's format adapter, with errors as 4xx/5xx."""
+    """``/{repository}/...`` -> the repository's format adapter; whatever is raised on the
+    way becomes the answer the error table gives it (``http/errors.py``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state: Engine = scope["state"]["proxy"]
@@ -142,7 +132,9 @@ class Dispatcher:
                 name, path = split_path(scope.get("raw_path") or scope["path"].encode())
                 adapter = state.adapters.get(name)
                 if adapter is None:
-                    response = _landing(state) if scope["path"] == "/" else _unknown(name, state)
+                    if scope["path"] != "/":
+                        raise _unknown(name, state)
+                    response = _landing(state)
                 else:
                     repository = name
                     if name in state.not_configured:
@@ -153,8 +145,8 @@ class Dispatcher:
                     base_path = f"{scope.get('root_path', '')}/{repository}/"
                     request = Request(method, repository, path, headers, base_path, receive)
                     response = await adapter.handle(request)
-            except ProxyError as exc:
-                response = _error_response(exc)
+            except Exception as exc:
+                response = errors.answer(exc, repository)
             if (
                 method in BODY_METHODS
                 and isinstance(response, responses.BodyResponse)
@@ -170,39 +162,16 @@ class Dispatcher:
             metrics.REQUEST_DURATION.labels(repository).observe(time.perf_counter() - started)
 
 
-def _error_response(exc: ProxyError) -> ASGIResponse:
-    retry_later = {"retry-after": retry_after_header(None)}
-    if isinstance(exc, ClientError):
-        return responses.error(exc.status, str(exc), exc.headers)
-    if isinstance(exc, UpstreamUnavailable):
-        extra = {}
-        if exc.status == 503:
-            extra["retry-after"] = retry_after_header(exc.retry_after_s)
-        return responses.error(exc.status, str(exc), extra)
-    if isinstance(exc, UpstreamError):
-        return responses.error(exc.status, str(exc))
-    if isinstance(exc, NotConfigured | ShuttingDown):
-        return responses.error(503, str(exc), retry_later)
-    if isinstance(exc, CatalogError):
-        log.error("catalog error: %s", exc)
-        return responses.error(503, "the cache database is unavailable; try again", retry_later)
-    if isinstance(exc, StorageError):
-        log.error("storage error: %s", exc)
-        return responses.error(503, "the cache storage is unavailable; try again", retry_later)
-    log.error("unexpected proxy error: %r", exc)
-    return responses.error(500, f"internal error: {type(exc).__name__}")
-
-
-def _unknown(repository: str, state: Engine) -> ASGIResponse:
+def _unknown(repository: str, state: Engine) -> NotFound:
     known = ", ".join(f"/{name}/" for name in state.adapters) or "none"
-    return responses.error(404, f"no repository named {repository!r}; configured: {known}")
+    return NotFound(f"no repository named {repository!r}; configured: {known}")
 
 
 def _landing(state: Engine) -> ASGIResponse:
     lines = ["artifact proxy", ""]
     for repo in state.settings.repositories:
         line = f"/{repo.name}/  format={repo.format}"
-        if repo.is_proxy:
+        if repo.proxies:
             upstreams = ", ".join(repo.upstreams) or "NOT SET: set " + repo.upstream_setting
             line += f"  upstream={upstreams}"
         lines.append(line)

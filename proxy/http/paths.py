@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from urllib.parse import unquote
 
-from proxy.exceptions import BadRequest, ClientError
+from proxy.exceptions import BadRequest, HeadersTooLarge, UriTooLong
 
 MAX_PATH_BYTES = 2048
 MAX_HEADER_BYTES = 16 * 1024
@@ -17,7 +17,7 @@ MAX_HEADER_BYTES = 16 * 1024
 def split_path(raw_path: bytes) -> tuple[str, str]:
     """``/repo/a/b/`` -> ``("repo", "a/b/")``; raises ``ClientError`` for unsafe paths."""
     if len(raw_path) > MAX_PATH_BYTES:
-        raise ClientError(f"path longer than {MAX_PATH_BYTES} bytes", status=414)
+        raise UriTooLong(f"path longer than {MAX_PATH_BYTES} bytes")
     try:
         text = raw_path.decode("ascii")
     except UnicodeDecodeError:
@@ -43,7 +43,6 @@ def split_path(raw_path: bytes) -> tuple[str, str]:
 def check_headers(headers: list[tuple[bytes, bytes]]) -> None:
     total = sum(len(name) + len(value) + 4 for name, value in headers)
     if total > MAX_HEADER_BYTES:
-        raise ClientError(
-            f"request headers total {total} bytes, over the {MAX_HEADER_BYTES}-byte limit",
-            status=431,
+        raise HeadersTooLarge(
+            f"request headers total {total} bytes, over the {MAX_HEADER_BYTES}-byte limit"
         )

@@ -3,7 +3,7 @@
 
 A run resolves each purl to a repository (the named one, or the first whose format
 mirrors the purl's type), asks that repository's format which keys make up the
-package (``MirrorAdapter.mirror``), and warms each key through the cache: items
+package (its ``contract.Mirroring.keys``), and warms each key through the cache: items
 already cached and fresh cost no upstream request, and an item a client is fetching
 shares that fetch (single flight and fetch leases). Every failure is logged and
 counted and the run goes on. The scheduler runs each ``[[mirrors]]`` once per interval
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal, Protocol, TypeVar, cast
 
 from proxy.config.settings import MirrorSettings
-from proxy.contract import FetchSpec, MirrorAdapter, MirrorVersions, RepositoryCache
+from proxy.contract import FetchSpec, MirrorVersions, ProxyCache
 from proxy.exceptions import NotConfigured, NotFound, ProxyError
 from proxy.mirror.purls import parse_purl
 from proxy.mirror.sbom import purls_in_sbom
@@ -88,6 +88,17 @@ class _Quiet:
 
 
 @dataclass(frozen=True)
+class MirrorSource:
+    """A repository whose format declares mirroring: the purl types it takes, how to
+    list a package's keys (its format's ``Mirroring.keys``, bound to its adapter), and
+    the cache those keys are warmed in."""
+
+    purl_types: tuple[str, ...]
+    keys: Callable[[PackageRef, MirrorVersions], Awaitable[list[FetchSpec]]]
+    cache: ProxyCache
+
+
+@dataclass(frozen=True)
 class Target:
     package: PackageRef
     repository: str
@@ -97,17 +108,11 @@ class Mirrors:
     """Runs mirror passes over the engine's repositories."""
 
     def __init__(
-        self,
-        adapters: dict[str, MirrorAdapter],
-        purl_types: dict[str, tuple[str, ...]],
-        caches: dict[str, RepositoryCache],
-        not_configured: Mapping[str, str],
+        self, sources: Mapping[str, MirrorSource], not_configured: Mapping[str, str]
     ) -> None:
-        # Repository name -> its adapter, the purl types its format mirrors, its cache;
-        # in config order, so the first repository serving a type is the default.
-        self.adapters = adapters
-        self.purl_types = purl_types
-        self.caches = caches
+        # Repository name -> what it mirrors; in config order, so the first repository
+        # serving a type is the default.
+        self.sources = sources
         # Repository name -> why it has no upstream (the engine's own check, which
         # requests pass through and mirrors, calling adapters directly, would not).
         self.not_configured = not_configured
@@ -115,9 +120,9 @@ class Mirrors:
     def supported_types(self, repository: str | None = None) -> list[str]:
         """The purl types some repository here (or ``repository``) mirrors."""
         found: list[str] = []
-        for repo, types in self.purl_types.items():
+        for repo, source in self.sources.items():
             if repository in (None, repo):
-                found += [t for t in types if t not in found]
+                found += [t for t in source.purl_types if t not in found]
         return found
 
     def unsupported(self, purls: Iterable[str], repository: str | None = None) -> list[str]:
@@ -175,11 +180,11 @@ class Mirrors:
         specs: list[tuple[str, FetchSpec]] = []
 
         async def plan(target: Target) -> None:
-            adapter = self.adapters[target.repository]
+            source = self.sources[target.repository]
             try:
                 if target.repository in self.not_configured:
                     raise NotConfigured(self.not_configured[target.repository])
-                found = await adapter.mirror(target.package, mode)
+                found = await source.keys(target.package, mode)
             except NotFound as exc:
                 log.warning("mirror %s: %s: %s", name, target.package, exc)
                 count(str(target.package), "missing")
@@ -201,7 +206,7 @@ class Mirrors:
             repository, spec = item
             label = f"{repository}/{spec.key}"
             try:
-                result = await self.caches[repository].warm(spec)
+                result = await self.sources[repository].cache.warm(spec)
             except (ProxyError, OSError) as exc:
                 log.error("mirror %s: %s: %s", name, label, exc)
                 count(label, "failed")
@@ -231,8 +236,8 @@ class Mirrors:
                 continue
             serving = [
                 repo
-                for repo, types in self.purl_types.items()
-                if package.type in types and repository in (None, repo)
+                for repo, source in self.sources.items()
+                if package.type in source.purl_types and repository in (None, repo)
             ]
             if not serving:
                 log.warning(

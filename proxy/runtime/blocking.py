@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
-from proxy.exceptions import UpstreamUnavailable
+from proxy.exceptions import ParseFailed, RetryLater
 from proxy.units import format_duration
 
 T = TypeVar("T")
@@ -89,10 +89,9 @@ class CpuPool:
             async with asyncio.timeout(self.deadline_s):
                 child = await self._idle.get()
         except TimeoutError:
-            raise UpstreamUnavailable(
+            raise RetryLater(
                 f"all {len(self._children)} page parsers stayed busy for "
-                f"{format_duration(self.deadline_s)}; retry",
-                status=503,
+                f"{format_duration(self.deadline_s)}; retry"
             ) from None
         try:
             return await child.run(fn, args, self.deadline_s)
@@ -134,7 +133,7 @@ class _Child:
                 format_duration(deadline_s),
             )
             self.stop()
-            raise UpstreamUnavailable(
+            raise ParseFailed(
                 "the upstream page took too long to parse (over upstream.parse_timeout, "
                 f"{format_duration(deadline_s)}); its parser was stopped"
             ) from None
@@ -144,9 +143,8 @@ class _Child:
         except BrokenProcessPool:
             log.error("the page parser process died while parsing; starting a new one")
             self.stop()
-            raise UpstreamUnavailable(
-                "the page parser restarted (its process died while parsing this page); retry",
-                status=503,
+            raise RetryLater(
+                "the page parser restarted (its process died while parsing this page); retry"
             ) from None
 
     def _start(self) -> ProcessPoolExecutor:

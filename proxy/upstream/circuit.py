@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable
 
-from proxy.exceptions import UpstreamUnavailable
+from proxy.exceptions import UpstreamDown
 from proxy.runtime import metrics
 
 log = logging.getLogger("proxy.upstream")
@@ -68,10 +68,9 @@ class Circuit:
             self._probing = True
             return True
         wait_s = max(self.retry_at - now, HALF_OPEN_RETRY_AFTER_S)
-        raise UpstreamUnavailable(
+        raise UpstreamDown(
             f"upstream {self.host} is down (last failure: {self.last_error}); it is not "
             f"asked again for {wait_s:.0f} s",
-            status=503,
             retry_after_s=wait_s,
         )
 

@@ -42,7 +42,13 @@ import httpx
 from proxy import __version__
 from proxy.config.settings import UpstreamSettings
 from proxy.contract import UpstreamResponse
-from proxy.exceptions import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from proxy.exceptions import (
+    RetryLater,
+    UpstreamBusy,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from proxy.http.semantics import RETRY_AFTER_DEFAULT_S, header_value_ok, parse_retry_after
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
@@ -143,9 +149,8 @@ class ByteBudget:
                 while self.available < n_bytes:
                     await self._given.wait()
         except TimeoutError:
-            raise UpstreamUnavailable(
+            raise RetryLater(
                 "too many large upstream pages are being read or parsed at once; retry",
-                status=503,
                 retry_after_s=RETRY_AFTER_DEFAULT_S,  # stated: _outage keeps the longest wait
             ) from None
         self.available -= n_bytes
@@ -195,10 +200,9 @@ class UpstreamPool:
                 await semaphore.acquire()
         except TimeoutError:
             metrics.UPSTREAM_ERRORS.labels(host=host, reason="busy").inc()
-            raise UpstreamUnavailable(
+            raise RetryLater(
                 f"upstream {host} already has {limit} transfers in progress "
                 "(upstream.max_connections); retry",
-                status=503,
                 retry_after_s=RETRY_AFTER_DEFAULT_S,  # stated: _outage keeps the longest wait
             ) from None
         try:
@@ -361,14 +365,10 @@ class Upstream:
                 wait_s = min(retry_after or _backoff_s(attempt), RETRY_AFTER_MAX_S)
                 await self._pause(wait_s, host, deadline, down)
                 continue
-            status = 503 if response.status_code in (429, 503) else 502
-            raise down(
-                UpstreamUnavailable(
-                    f"upstream {host} answered {response.status_code} for {url}",
-                    status=status,
-                    retry_after_s=retry_after,
-                )
-            )
+            message = f"upstream {host} answered {response.status_code} for {url}"
+            if response.status_code in (429, 503):
+                raise down(UpstreamBusy(message, retry_after_s=retry_after))
+            raise down(UpstreamUnavailable(message))
 
     async def _pause(
         self,

@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
-from proxy.exceptions import UpstreamUnavailable
+from proxy.exceptions import AddressRefused, UpstreamUnavailable
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -135,7 +135,7 @@ class AddressPolicy:
             return None
 
     async def vet(self, url: str) -> Target:
-        """Check where ``url`` leads; raises ``UpstreamUnavailable`` (502) naming the rule."""
+        """Check where ``url`` leads; raises ``AddressRefused`` (502) naming the rule."""
         try:
             parts = urlsplit(url)
             port = parts.port or DEFAULT_PORTS.get(parts.scheme)
@@ -170,9 +170,9 @@ class AddressPolicy:
             host if parts.scheme == "https" else None,
         )
 
-    def _refuse(self, url: str, why: str) -> UpstreamUnavailable:
+    def _refuse(self, url: str, why: str) -> AddressRefused:
         shown = self.without_credentials(url)
-        return UpstreamUnavailable(f"refused to fetch {shown}: {why}", status=502)
+        return AddressRefused(f"refused to fetch {shown}: {why}")
 
 
 async def _resolve(host: str, port: int) -> list[IPAddress]:
