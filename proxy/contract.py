@@ -65,6 +65,7 @@ from proxy.exceptions import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.http.paths import base_url, decode_path, decode_segment
 from proxy.types import (
     KNOWN_DIGESTS,
     Digests,
@@ -151,6 +152,8 @@ __all__ = [
     "Urls",
     "Validators",
     "WarmResult",
+    "decode_path",
+    "decode_segment",
     "option",
     "options_of",
     "toml_key",
@@ -172,14 +175,46 @@ MirrorVersions = Literal["latest", "all"]
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """What an adapter knows of a request; ``path`` is decoded and validated."""
+    """What an adapter knows of a request.
+
+    ``raw_path`` is the path after ``/{repository}/`` exactly as the client sent it
+    (percent-encoded, not validated: ``@scope%2fname`` stays so); ``path`` is it decoded
+    by the rules every format shares (``decode_path``). ``base_url`` is the absolute URL
+    of the repository as clients reach it, for formats whose answers must name the proxy
+    absolutely.
+    """
 
     method: str
     repository: str
-    path: str  # after "/{repository}/", e.g. "simple/requests/"
+    raw_path: str  # after "/{repository}/", e.g. "simple/requests/" or "@s%2fn"
     headers: Mapping[str, str]  # lower-case names
     base_path: str  # "/{repository}/", under the app's root path
     receive: Receive = field(repr=False)
+    query: str = ""  # the query string as sent, without "?"
+    scheme: str = "http"  # how the client reached this process
+    public_url: str | None = None  # server.public_url, when a deployment sets it
+
+    @property
+    def segments(self) -> tuple[str, ...]:
+        """The raw path's segments, still percent-encoded."""
+        return tuple(self.raw_path.split("/"))
+
+    @property
+    def path(self) -> str:
+        """The path decoded; ``BadRequest`` for a traversal, an escaped slash, an empty
+        or control-character segment (``decode_path``)."""
+        return decode_path(self.raw_path)
+
+    @property
+    def base_url(self) -> str:
+        """``https://host/{repository}/``: from ``server.public_url`` when it is set (a
+        deployment behind a load balancer), else from the request's own Host header
+        (``BadRequest`` if it has none we would put in a URL). It depends on the client:
+        never store a body built with it, build it per request."""
+        if self.public_url is not None:
+            return f"{self.public_url}/{self.repository}/"
+        root_path = self.base_path[: -len(self.repository) - 2]
+        return base_url(self.scheme, self.headers.get("host"), root_path, self.repository)
 
     async def body(self) -> AsyncIterator[bytes]:
         """The request body as it arrives; ``BadRequest`` if the client leaves first, or

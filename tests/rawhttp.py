@@ -8,8 +8,11 @@ from urllib.parse import urlsplit
 
 def raw_get(base_url: str, target: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     parts = urlsplit(base_url)
-    lines = [f"GET {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
-    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    given = headers or {}
+    lines = [f"GET {target} HTTP/1.1", "Connection: close"]
+    if not any(name.lower() == "host" for name in given):
+        lines.append(f"Host: {parts.netloc}")
+    lines += [f"{name}: {value}" for name, value in given.items()]
     request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
         sock.sendall(request)

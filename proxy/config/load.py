@@ -29,6 +29,7 @@ from proxy.config.options import (
     OptionalSize,
     OptionType,
     Percent,
+    PublicUrl,
     Rate,
     Size,
     Text,
@@ -191,7 +192,9 @@ class _Parser:
             if key not in known:
                 self.error(key, f"unknown section; expected one of {', '.join(sorted(known))}")
         server = self.table(
-            raw, "server", {"listen", "workers", "access_log", "log_format", "tls_cert", "tls_key"}
+            raw,
+            "server",
+            {"listen", "workers", "access_log", "log_format", "tls_cert", "tls_key", "public_url"},
         )
         database = self.table(raw, "database", {"url", "session_url", "pool_size", "idle_timeout"})
         storage = self.table(raw, "storage", {"path", "min_free", "max_size", "low_watermark"})
@@ -227,6 +230,11 @@ class _Parser:
             server, "server", "log_format", Choice(*LOG_FORMATS), DEFAULT_LOG_FORMAT
         )
         tls = self.tls(server, source)
+        public_url = self.value(server, "server", "public_url", PublicUrl())
+        if self.environ.get("PROXY_PUBLIC_URL"):
+            public_url = PublicUrl().parse(
+                self.environ["PROXY_PUBLIC_URL"].replace("$", "$$"), "PROXY_PUBLIC_URL", self
+            )
 
         storage_path = self.environ.get("PROXY_STORAGE_PATH") or self.value(
             storage, "storage", "path", Text()
@@ -369,6 +377,7 @@ class _Parser:
             log_format=log_format,
             tls=tls,
             database=database_settings,
+            public_url=public_url,
         )
 
     def database(self, database: dict[str, Any], database_url: str) -> DatabaseSettings:

@@ -282,6 +282,51 @@ class Urls:
         return "[" + ", ".join(toml_string(u) for u in value) + "]"
 
 
+class PublicUrl:
+    """Where clients reach the proxy, when that is not the address they connect to
+    (a load balancer, a path prefix): ``https://proxy.example/base``. Only characters
+    that need no escaping in an answer's body (JSON, XML, HTML) are taken, since formats
+    write it into the bodies they render; kept without a trailing ``/``."""
+
+    _PATH_RE = re.compile(r"^[A-Za-z0-9._~/%-]*$")
+
+    def parse(self, value: object, key: str, report: Reporter) -> str | None:
+        if not isinstance(value, str):
+            report.error(key, f"{value!r} is not a URL")
+            return None
+        text = report.expand(value, key).strip()
+        example = 'use e.g. "https://proxy.example.com" or "https://lb.example/artifacts"'
+        try:
+            parts = urlsplit(text)
+            parts.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError:
+            report.error(key, f"{text!r} is not a valid URL; {example}")
+            return None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            report.error(key, f"{text!r} is not an http(s) URL; {example}")
+        elif parts.username is not None or parts.password is not None:
+            report.error(key, "must not hold credentials")
+        elif parts.query or parts.fragment or "?" in text or "#" in text:
+            report.error(key, f"{text!r} must not have a query or fragment")
+        elif not self._PATH_RE.match(parts.path) or not _plain_host(parts.hostname):
+            report.error(key, f"{text!r} has characters a URL in a page cannot carry as is")
+        else:
+            return f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
+        return None
+
+    def render(self, value: str) -> str:
+        return toml_string(value)
+
+
+def _plain_host(host: str) -> bool:
+    """A DNS name (no wildcard) or an IP address."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return not host.startswith("*") and Hosts._NAME_RE.match(host) is not None
+
+
 class Globs:
     """A list of shell-style path patterns (``*``, ``?``, ``[...]``), e.g. ``"*/latest/*"``."""
 

@@ -167,6 +167,8 @@ class Settings:
     source: str = "embedded defaults"
     storage: StorageSettings = field(default_factory=StorageSettings)
     mirrors: tuple[MirrorSettings, ...] = ()
+    # Where clients reach the proxy (behind a load balancer); None: the request's Host.
+    public_url: str | None = None
     access_log: bool = DEFAULT_ACCESS_LOG
     log_format: str = DEFAULT_LOG_FORMAT
     tls: TlsSettings | None = None
@@ -174,7 +176,9 @@ class Settings:
     @property
     def base_url(self) -> str:
         """This proxy's own address as clients would type it (for messages and the
-        console's install guide)."""
+        console's install guide): ``server.public_url`` when a deployment sets it."""
+        if self.public_url is not None:
+            return self.public_url
         scheme = "https" if self.tls is not None else "http"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}"
@@ -204,6 +208,11 @@ class Settings:
                 ]
                 if self.tls is not None
                 else ["# tls_cert and tls_key are not set: plain HTTP"]
+            ),
+            (
+                f"public_url = {toml_string(self.public_url)}"
+                if self.public_url is not None
+                else "# public_url is not set: URLs back to the proxy use each request's Host"
             ),
             "[database]",
             f"url = {toml_string(self.database_url)}",

@@ -129,7 +129,7 @@ class Dispatcher:
         try:
             try:
                 check_headers(scope["headers"])
-                name, path = split_path(scope.get("raw_path") or scope["path"].encode())
+                name, raw_path = split_path(scope.get("raw_path") or scope["path"].encode())
                 adapter = state.adapters.get(name)
                 if adapter is None:
                     if scope["path"] != "/":
@@ -143,7 +143,17 @@ class Dispatcher:
                         k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
                     }
                     base_path = f"{scope.get('root_path', '')}/{repository}/"
-                    request = Request(method, repository, path, headers, base_path, receive)
+                    request = Request(
+                        method,
+                        repository,
+                        raw_path,
+                        headers,
+                        base_path,
+                        receive,
+                        query=scope.get("query_string", b"").decode("latin-1"),
+                        scheme="https" if scope.get("scheme") == "https" else "http",
+                        public_url=state.settings.public_url,
+                    )
                     response = await adapter.handle(request)
             except Exception as exc:
                 response = errors.answer(exc, repository)

@@ -1,21 +1,36 @@
-"""Request paths: decoded and validated once, from the raw bytes the client sent.
+"""Request paths and the proxy's own address: pure functions, shared by the app and
+every format (through the contract).
 
-Validation works on the raw path because servers decode ``%2F`` and ``%2e%2e`` before
-routing; a traversal spelled with escapes must be refused just like a literal one.
+The app only splits off the repository (``split_path``) and leaves the rest of the path
+as the client sent it, percent-encoded: what an escape means is the format's business
+(npm names a scoped package ``@scope%2fname``). Formats decode their paths with
+``decode_path``, which keeps the rules every format had before: no traversal, no
+escaped slash or backslash, no empty or control-character segment. Validation works on
+the raw path because servers decode ``%2F`` and ``%2e%2e`` before routing; a traversal
+spelled with escapes must be refused just like a literal one.
 """
 
 from __future__ import annotations
 
+import re
 from urllib.parse import unquote
 
 from proxy.exceptions import BadRequest, HeadersTooLarge, UriTooLong
 
 MAX_PATH_BYTES = 2048
 MAX_HEADER_BYTES = 16 * 1024
+# A Host header we build URLs from: a DNS name or an IP literal, and a port.
+_HOST_RE = re.compile(
+    r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?"
+    r"|\[[0-9A-Fa-f:.]{2,45}\])(?::[0-9]{1,5})?$"
+)
 
 
 def split_path(raw_path: bytes) -> tuple[str, str]:
-    """``/repo/a/b/`` -> ``("repo", "a/b/")``; raises ``ClientError`` for unsafe paths."""
+    """``/repo/a%2Fb/`` -> ``("repo", "a%2Fb/")``: the repository's name, decoded and
+    checked, and the rest of the path as sent. ``UriTooLong``/``BadRequest`` for a path
+    that is too long, not ASCII, or names no valid repository segment."""
     if len(raw_path) > MAX_PATH_BYTES:
         raise UriTooLong(f"path longer than {MAX_PATH_BYTES} bytes")
     try:
@@ -24,20 +39,47 @@ def split_path(raw_path: bytes) -> tuple[str, str]:
         raise BadRequest("the path has raw non-ASCII bytes; percent-encode them") from None
     if not text.startswith("/"):
         raise BadRequest("the path must start with '/'")
-    segments = text[1:].split("/")
-    decoded = []
+    first, _, rest = text[1:].partition("/")
+    if not first and rest:
+        raise BadRequest("empty path segment ('//') is not allowed")
+    return decode_segment(first), rest
+
+
+def decode_path(raw: str) -> str:
+    """``a/b%20c/`` -> ``a/b c/``, refusing (``BadRequest``) what no format serves: an
+    empty segment but the last (``//``), ``.`` or ``..`` (also escaped), an escaped
+    ``/`` or ``\\``, control characters, and escapes that are not UTF-8."""
+    segments = raw.split("/")
     last = len(segments) - 1
+    decoded = []
     for position, segment in enumerate(segments):
         if segment == "" and position != last:
             raise BadRequest("empty path segment ('//') is not allowed")
-        try:
-            value = unquote(segment, errors="strict")
-        except UnicodeDecodeError:
-            raise BadRequest(f"path segment {segment!r} is not valid UTF-8") from None
-        if value in (".", "..") or any(c in value for c in "/\\") or not value.isprintable():
-            raise BadRequest(f"path segment {segment!r} is not allowed (traversal or control)")
-        decoded.append(value)
-    return decoded[0], "/".join(decoded[1:])
+        decoded.append(decode_segment(segment))
+    return "/".join(decoded)
+
+
+def decode_segment(segment: str) -> str:
+    """One raw path segment, decoded; ``BadRequest`` if it is a traversal, holds a slash
+    or backslash once decoded, a control character, or an escape that is not UTF-8."""
+    try:
+        value = unquote(segment, errors="strict")
+    except UnicodeDecodeError:
+        raise BadRequest(f"path segment {segment!r} is not valid UTF-8") from None
+    if value in (".", "..") or any(c in value for c in "/\\") or not value.isprintable():
+        raise BadRequest(f"path segment {segment!r} is not allowed (traversal or control)")
+    return value
+
+
+def base_url(scheme: str, host: str | None, root_path: str, repository: str) -> str:
+    """The absolute URL of ``/{repository}/`` as the client named us (its Host header):
+    ``BadRequest`` when there is no Host, or one we would not put in a URL."""
+    if not host or not _HOST_RE.match(host):
+        raise BadRequest(
+            f"the Host header {host!r} is not a host name and port; a deployment behind a "
+            "proxy or load balancer sets server.public_url"
+        )
+    return f"{scheme}://{host}{root_path}/{repository}/"
 
 
 def check_headers(headers: list[tuple[bytes, bytes]]) -> None:
