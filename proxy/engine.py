@@ -27,7 +27,7 @@ from proxy.cache.proxied import ProxiedView
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import Clock
 from proxy.config.settings import RepositorySettings, Settings
-from proxy.contract import Adapter, FormatPlugin, HostedContext, ProxyContext
+from proxy.contract import Adapter, FormatPlugin, HostedContext, ProxyContext, UpstreamClient
 from proxy.exceptions import CatalogError, InvalidPlugin
 from proxy.fetch.fetcher import Fetcher
 from proxy.fetch.leases import LeaseCoordinator, make_holder_id
@@ -101,12 +101,27 @@ class Engine:
         await self.leases.release_all()
 
 
+@dataclass(frozen=True)
+class Seams:
+    """What a test puts in place of the outside world (``proxy/testing.py``): a catalog
+    instead of the one ``database.url`` names, one upstream client for every repository
+    instead of the HTTP pool. Production passes none."""
+
+    catalog: Catalog | None = None
+    upstream: UpstreamClient | None = None
+
+
 @asynccontextmanager
-async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]:
+async def open_engine(
+    settings: Settings, clock: Clock, seams: Seams | None = None
+) -> AsyncIterator[Engine]:
+    seams = seams or Seams()
     install_io_executor(asyncio.get_running_loop())
     blobs = BlobStore(settings.storage_path)
     await run_blocking(blobs.prepare)
-    catalog = open_catalog(settings.database_url, clock, connections=settings.database)
+    catalog = seams.catalog or open_catalog(
+        settings.database_url, clock, connections=settings.database
+    )
     try:
         applied = await catalog.migrate()
         if applied:
@@ -122,7 +137,10 @@ async def open_engine(settings: Settings, clock: Clock) -> AsyncIterator[Engine]
             cache = Cache(catalog, blobs, fetcher, index, access, hot, clock)
             built = Repositories()
             for repo in settings.repositories:
-                built.add(repo, formats.plugin(repo.format), cache, pool, cpu, settings.host)
+                upstream = seams.upstream or pool.for_repository(
+                    repo.name, repo.upstreams, repo.allow_hosts
+                )
+                built.add(repo, formats.plugin(repo.format), cache, upstream, cpu, settings.host)
             if settings.storage.max_size is not None:
                 metrics.STORAGE_MAX_BYTES.set(settings.storage.max_size)
             mirrors = Mirrors(built.mirror_sources, built.not_configured)
@@ -172,13 +190,12 @@ class Repositories:
         repo: RepositorySettings[Any],
         plugin: FormatPlugin[Any, Any],
         cache: Cache,
-        pool: UpstreamPool,
+        upstream: UpstreamClient,
         cpu: CpuPool,
         listen_host: str,
     ) -> None:
         responses = FormatResponses(repo.name)
         if plugin.proxying is not None:
-            upstream = pool.for_repository(repo.name, repo.upstreams, repo.allow_hosts)
             view = ProxiedView(cache, repo.name, repo.format, upstream, cpu)
             context = ProxyContext(
                 cache=view, upstream=upstream, compute=cpu.run, responses=responses

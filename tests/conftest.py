@@ -16,6 +16,7 @@ from proxy.clock import SYSTEM_CLOCK, Clock, ManualClock
 from proxy.config.load import load
 from proxy.config.settings import Settings
 from proxy.http.app import create_app
+from proxy.testing import MemoryCatalog
 from tests.maven_repo import MissingMavenRepo, copy_with_checksums
 from tests.pg import PostgresServer, create_database, drop_database
 from tests.upstream import FakeUpstream, ServerThread, start_upstream
@@ -148,21 +149,38 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
+@pytest.fixture(params=["sqlite", "postgres", "memory"])
+def catalog_backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database URL for each catalog backend in turn, or "memory"."""
+    if request.param == "memory":
+        return "memory"
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'catalog.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
 @pytest.fixture
-async def catalog(database_url: str, clock: ManualClock) -> AsyncIterator[Catalog]:
-    opened = open_catalog(database_url, clock)
+async def catalog(catalog_backend: str, clock: ManualClock) -> AsyncIterator[Catalog]:
+    """Each catalog backend in turn, and the in-memory one of proxy/testing: the same
+    tests hold it to what the real ones do."""
+    opened: Catalog
+    if catalog_backend == "memory":
+        opened = MemoryCatalog(clock)
+    else:
+        opened = open_catalog(catalog_backend, clock)
     await opened.migrate()
     yield opened
     await opened.close()
 
 
 async def pass_time(catalog: Catalog, clock: ManualClock, seconds: float) -> None:
-    """Let ``seconds`` pass for the catalog: the SQLite catalog's clock is moved at once;
-    Postgres judges leases by its own clock, so there the test really waits."""
-    if catalog.backend == "sqlite":
-        clock.advance(seconds)
-    else:
+    """Let ``seconds`` pass for the catalog: the SQLite and in-memory catalogs' clock is
+    moved at once; Postgres judges leases by its own clock, so there the test waits."""
+    if catalog.backend == "postgres":
         await asyncio.sleep(seconds)
+    else:
+        clock.advance(seconds)
 
 
 # -- Debian's system Maven repository, as a real upstream ------------------------------

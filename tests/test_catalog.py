@@ -16,7 +16,7 @@ now_ms = SYSTEM_CLOCK.now_ms
 pytestmark = pytest.mark.anyio
 
 
-def _entry(key: str, sha: str = "a" * 64, size: int = 10, **kw: object) -> Entry:
+def _entry(key: str, sha: str | None = "a" * 64, size: int = 10, **kw: object) -> Entry:
     at = now_ms()
     fields: dict[str, object] = dict(
         repository="r",

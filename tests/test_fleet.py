@@ -96,7 +96,7 @@ def add_big_file(upstream: FakeUpstream, size: int, **fault: object) -> ProjectF
     f = ProjectFile("big-1.0.tar.gz", os.urandom(size))
     upstream.add_project("big", [f])
     if fault:
-        upstream.fault(f"/packages/{f.filename}", **fault)  # type: ignore[arg-type]
+        upstream.fault(f"/packages/{f.filename}", **fault)
     return f
 
 

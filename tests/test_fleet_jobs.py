@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import asyncpg
@@ -104,7 +105,9 @@ class Db:
         rows = self.query(
             "SELECT coalesce(sum(size), 0) FROM entries WHERE kind IN ('immutable', 'metadata')"
         )
-        return int(rows[0][0])  # type: ignore[call-overload]
+        total = rows[0][0]
+        assert isinstance(total, int | Decimal)  # Postgres sums bigints as numeric
+        return int(total)
 
     def make_due(self, job: str) -> None:
         """Move the job's last start back a day: due at every replica's next check."""

@@ -267,7 +267,7 @@ def test_json_pages_with_lone_surrogates_render_without_them(
         {"filename": "sur-1.0.tar.gz", "url": "/x/sur-1.0.tar.gz", "hashes": {}},
         {"filename": "sur-\ud800.tar.gz", "url": "/x/a.tar.gz", "hashes": {}},
     ]
-    pages = {
+    pages: dict[str, dict[str, object]] = {
         "/simple/sur/": {"name": "sur", "files": files},
         "/simple/surname/": {"name": "\ud800", "files": files[:1]},
         "/simple/": {"projects": [{"name": "sur"}, {"name": "\udc00x"}]},

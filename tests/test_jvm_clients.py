@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,10 +55,10 @@ def java_project(root: Path) -> Path:
 
 
 @pytest.fixture
-def repo_upstream(debian_maven_repo: Path) -> tuple[FakeUpstream, ServerThread]:
+def repo_upstream(debian_maven_repo: Path) -> Iterator[tuple[FakeUpstream, ServerThread]]:
     fake = FakeUpstream(directory=debian_maven_repo)
     server = start_upstream(fake)
-    yield fake, server  # type: ignore[misc]
+    yield fake, server
     fake.released.set()
     server.stop()
 

@@ -110,7 +110,10 @@ def test_pypi_versions_latest_all_and_pinned() -> None:
         _link("p-3.0rc1.tar.gz"),
         _link("p-0.1.exe"),  # no version we can read: never chosen
     ]
-    names = lambda chosen: [f.filename for f in chosen]  # noqa: E731
+
+    def names(chosen: list[si.FileLink]) -> list[str]:
+        return [f.filename for f in chosen]
+
     assert names(select_files(files, None, "latest")) == ["p-2.0.tar.gz"]
     assert names(select_files(files, None, "all")) == [
         "p-1.0.tar.gz", "p-1.0-py3-none-any.whl", "p-2.0.tar.gz", "p-3.0rc1.tar.gz",

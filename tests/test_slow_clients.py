@@ -136,7 +136,8 @@ def test_a_miss_streamed_to_slow_readers_arrives_exact_beside_stalled_ones(
     upstream.fault("/growing.bin", chunk_size=512 * 1024, chunk_delay_s=0.02)
     served_before = proxy.metric("proxy_bytes_served_total", repository="files")
     request = b"GET /files/growing.bin HTTP/1.1\r\nHost: x\r\n\r\n"
-    stalled, slow = [], []
+    stalled: list[socket.socket] = []
+    slow: list[socket.socket] = []
     for i in range(8):
         sock = socket.socket()
         sock.settimeout(30)

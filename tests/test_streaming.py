@@ -232,9 +232,10 @@ def test_a_digest_mismatch_at_the_end_cuts_every_replicas_clients_and_stores_not
     async def stored() -> int:
         conn = await asyncpg.connect(pg_url)
         try:
-            return await conn.fetchval(
+            count: int = await conn.fetchval(
                 "SELECT count(*) FROM entries WHERE key LIKE '%big-1.0.tar.gz'"
             )
+            return count
         finally:
             await conn.close()
 

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from proxy.contract import Fetched, FetchSpec, Status
 from proxy.exceptions import CatalogError, ProxyError, ShuttingDown
 from proxy.fetch.fetcher import Fetcher, Miss, Streaming
 from proxy.fetch.leases import Verdict, WaitResult
+from proxy.fetch.transfer import SharedFile
 from proxy.runtime.tasks import TaskSupervisor
 from proxy.storage.blobs import BlobStore
 from proxy.types import Kind
@@ -177,7 +179,8 @@ def test_a_successor_handed_on_while_the_blob_opens_is_concluded_too(
         received = bytearray()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(read_some(successor, TOTAL, received), 3)
-        watcher = successor._source._watcher if successor._source is not None else None  # type: ignore[union-attr]
+        source = successor._source
+        watcher = source._watcher if isinstance(source, SharedFile) else None
         try:
             assert successor.concluded(), (
                 f"the successor was never concluded: its client got {len(received)} of "
@@ -238,7 +241,8 @@ def test_a_switch_that_cannot_compare_cuts_with_a_proxy_error_and_hands_the_body
             assert joined.transfer.concluded() and joined.transfer.error is None
         finally:
             await tasks.close(1)
-            for t in (old, joined.transfer if "joined" in locals() else None):
+            joined_transfer = joined.transfer if isinstance(joined, Streaming) else None
+            for t in (old, joined_transfer):
                 if t is not None and t._source is not None:
                     t._source.close()
 
@@ -325,8 +329,8 @@ class Origin:
         self.body = body
 
     @contextlib.asynccontextmanager
-    async def open(self, ctx: Any, stale: Any):  # type: ignore[no-untyped-def]
-        async def chunks():  # type: ignore[no-untyped-def]
+    async def open(self, ctx: Any, stale: Any) -> AsyncIterator[Fetched]:
+        async def chunks() -> AsyncIterator[bytes]:
             for i in range(0, len(self.body), 4096):
                 yield self.body[i : i + 4096]
                 await asyncio.sleep(0.001)

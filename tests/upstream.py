@@ -23,7 +23,7 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote, unquote
 
 import uvicorn
@@ -110,10 +110,11 @@ class FakeUpstream:
 
         fault = self.faults.get(path)
         if fault is not None and fault.times is not None:
-            if fault.times <= 0:
+            times = fault.times
+            if times <= 0:
                 fault = None
             else:
-                fault.times -= 1
+                fault.times = times - 1
         if fault is not None:
             if fault.delay_s:
                 await asyncio.sleep(fault.delay_s)
@@ -249,7 +250,7 @@ class FakeUpstream:
                 }
                 body = json.dumps(data).encode()
             else:
-                links = []
+                anchors = []
                 for f in files:
                     href = html.escape(f"{prefix}{quote(f.filename)}#sha256={f.sha256}")
                     attrs = f'href="{href}"'
@@ -261,8 +262,8 @@ class FakeUpstream:
                     if f.metadata is not None:
                         digest = hashlib.sha256(f.metadata).hexdigest()
                         attrs += f' data-core-metadata="sha256={digest}"'
-                    links.append(f"<a {attrs}>{html.escape(f.filename)}</a><br/>")
-                body = ("<html><body>" + "\n".join(links) + "</body></html>").encode()
+                    anchors.append(f"<a {attrs}>{html.escape(f.filename)}</a><br/>")
+                body = ("<html><body>" + "\n".join(anchors) + "</body></html>").encode()
         etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
         if headers.get("if-none-match") == etag:
             return 304, b"", "", [(b"etag", etag.encode())]
@@ -295,7 +296,9 @@ def _with_etag(
 class ServerThread:
     """Run an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread."""
 
-    def __init__(self, app: Any, lifespan: str = "on", **config: Any) -> None:
+    def __init__(
+        self, app: Any, lifespan: Literal["auto", "on", "off"] = "on", **config: Any
+    ) -> None:
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

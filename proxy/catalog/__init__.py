@@ -280,25 +280,26 @@ class Catalog(Protocol):
         ...
 
 
-# Both backends select and upsert entries with the columns in this order:
-# repository, key, kind, sha256, size, content_type, etag, last_modified, digests (JSON
-# text), fetched_at_ms, expires_at_ms, last_access_ms.
+# Rows are read by column name (sqlite3.Row, asyncpg.Record), so a statement may select
+# more or in another order; an upsert's parameters come in this order: repository, key,
+# kind, sha256, size, content_type, etag, last_modified, digests (JSON text),
+# fetched_at_ms, expires_at_ms, last_access_ms.
 
 
 def entry_from_row(row: Any) -> Entry:
     return Entry(
-        repository=row[0],
-        key=row[1],
-        kind=Kind(row[2]),
-        sha256=row[3],
-        size=row[4],
-        content_type=row[5],
-        etag=row[6],
-        last_modified=row[7],
-        digests=json.loads(row[8]),
-        fetched_at_ms=row[9],
-        expires_at_ms=row[10],
-        last_access_ms=row[11],
+        repository=row["repository"],
+        key=row["key"],
+        kind=Kind(row["kind"]),
+        sha256=row["sha256"],
+        size=row["size"],
+        content_type=row["content_type"],
+        etag=row["etag"],
+        last_modified=row["last_modified"],
+        digests=json.loads(row["digests"]),
+        fetched_at_ms=row["fetched_at_ms"],
+        expires_at_ms=row["expires_at_ms"],
+        last_access_ms=row["last_access_ms"],
     )
 
 

@@ -98,7 +98,7 @@ class SqlCatalog:
 
     async def usage(self, repository: str) -> Usage:
         row = await self._fetchrow("usage", repository)
-        return Usage(entries=int(row[0]), bytes=int(row[1]))
+        return Usage(entries=int(row["entries"]), bytes=int(row["bytes"]))
 
     async def least_recently_used(self, repository: str, limit: int) -> list[Entry]:
         return [
@@ -110,7 +110,7 @@ class SqlCatalog:
         if not sha256s:
             return set()
         rows = await self._fetch("unreferenced_blobs", json.dumps(list(sha256s)))
-        return {row[0] for row in rows}
+        return {row["sha256"] for row in rows}
 
     async def delete_expired_negatives(self, older_than_ms: int) -> int:
         return await self._execute("delete_expired_negatives", older_than_ms)
@@ -119,22 +119,27 @@ class SqlCatalog:
 
     async def storage_usage(self) -> StorageUsage:
         row = await self._fetchrow("storage_usage")
-        return StorageUsage(int(row[0]), int(row[1]), int(row[2]), int(row[3]))
+        return StorageUsage(
+            proxied_entries=int(row["proxied_entries"]),
+            proxied_bytes=int(row["proxied_bytes"]),
+            hosted_bytes=int(row["hosted_bytes"]),
+            tombstoned_bytes=int(row["tombstoned_bytes"]),
+        )
 
     async def evict_lru(self, free_bytes: int, limit: int) -> list[Removed]:
         rows = await self._write_fetch("evict_lru", int(free_bytes), int(limit))
-        return [Removed(r[0], r[1], r[2], int(r[3])) for r in rows]
+        return [_removed(r) for r in rows]
 
     async def expire_unused(self, repository: str, before_ms: int, limit: int) -> list[Removed]:
         rows = await self._write_fetch("expire_unused", repository, int(before_ms), int(limit))
-        return [Removed(r[0], r[1], r[2], int(r[3])) for r in rows]
+        return [_removed(r) for r in rows]
 
     async def drop_referenced_tombstones(self) -> int:
         return await self._execute("drop_referenced_tombstones")
 
     async def due_tombstones(self, grace_s: float, after: str, limit: int) -> list[tuple[str, int]]:
         rows = await self._fetch("due_tombstones", float(grace_s), after, int(limit))
-        return [(r[0], int(r[1])) for r in rows]
+        return [(r["sha256"], int(r["size"])) for r in rows]
 
     async def forget_tombstones(self, sha256s: Sequence[str]) -> int:
         if not sha256s:
@@ -154,7 +159,13 @@ class SqlCatalog:
         row = await self._fetchrow("select_link", repository, key)
         if row is None:
             return None
-        return Link(row[0], row[1], row[2], json.loads(row[3]), row[4])
+        return Link(
+            repository=row["repository"],
+            key=row["key"],
+            url=row["url"],
+            digests=json.loads(row["digests"]),
+            size=row["size"],
+        )
 
     # -- fetch leases ------------------------------------------------------------------------
 
@@ -162,7 +173,7 @@ class SqlCatalog:
         row = await self._write_returning(
             "claim_lease", key, holder, float(ttl_s), prelude=self.CLAIM_PRELUDE
         )
-        return LeaseGrant(key=key, holder=holder, fence=int(row[0])) if row else None
+        return LeaseGrant(key=key, holder=holder, fence=int(row["fence"])) if row else None
 
     async def renew_lease(self, grant: LeaseGrant, ttl_s: float) -> bool:
         touched = await self._execute(
@@ -190,13 +201,15 @@ class SqlCatalog:
         row = await self._fetchrow("select_lease", key)
         if row is None:
             return None
-        stream = StreamInfo(row[5], row[6], int(row[7])) if row[5] and row[7] is not None else None
+        stream = None
+        if row["stream_file"] and row["stream_length"] is not None:
+            stream = StreamInfo(row["stream_file"], row["stream_type"], int(row["stream_length"]))
         return LeaseRow(
-            key=row[0],
-            holder=row[1],
-            fence=int(row[2]),
-            state=row[3],
-            expired=bool(row[4]),
+            key=row["key"],
+            holder=row["holder"],
+            fence=int(row["fence"]),
+            state=row["state"],
+            expired=bool(row["expired"]),
             stream=stream,
         )
 
@@ -207,7 +220,7 @@ class SqlCatalog:
 
     async def claim_job_run(self, name: str, interval_s: float, holder: str) -> int | None:
         row = await self._write_returning("claim_job_run", name, float(interval_s), holder)
-        return int(row[0]) if row else None
+        return int(row["run_id"]) if row else None
 
     async def give_back_job_run(self, name: str, run_id: int) -> None:
         await self._execute("give_back_job_run", name, run_id)
@@ -219,16 +232,22 @@ class SqlCatalog:
         rows = await self._fetch("select_job_runs")
         if not rows:
             now = await self._fetchrow("select_clock")
-            return [], int(now[0])
+            return [], int(now["now_ms"])
         runs = [
             JobRun(
-                name=r[0],
-                run_id=int(r[1]),
-                started_at_ms=None if r[2] is None else int(r[2]),
-                finished_at_ms=None if r[3] is None else int(r[3]),
-                outcome=r[4],
-                holder=r[5],
+                name=r["name"],
+                run_id=int(r["run_id"]),
+                started_at_ms=None if r["started_at_ms"] is None else int(r["started_at_ms"]),
+                finished_at_ms=None if r["finished_at_ms"] is None else int(r["finished_at_ms"]),
+                outcome=r["outcome"],
+                holder=r["holder"],
             )
             for r in rows
         ]
-        return runs, int(rows[0][6])
+        return runs, int(rows[0]["now_ms"])
+
+
+def _removed(row: Any) -> Removed:
+    return Removed(
+        repository=row["repository"], key=row["key"], sha256=row["sha256"], size=int(row["size"])
+    )

@@ -167,7 +167,7 @@ class PostgresCatalog(SqlCatalog):
             # Transaction-scoped: released by the commit, even if this process dies.
             await conn.execute(q["lock_migrations"])
             await conn.execute(q["create_schema_migrations"])
-            done = {row[0] for row in await conn.fetch(q["applied_migrations"])}
+            done = {row["version"] for row in await conn.fetch(q["applied_migrations"])}
             applied = []
             for version, name, sql in files:
                 if version in done:

@@ -64,6 +64,7 @@ class SqliteCatalog(SqlCatalog):
                 timeout=BUSY_TIMEOUT_MS / 1000,
             )
             try:
+                conn.row_factory = sqlite3.Row  # rows are read by column name
                 conn.create_function("clock_ms", 0, self.clock.now_ms)
                 _switch_to_wal(conn)
                 # FULL: an acknowledged build-cache PUT must survive a power cut.
@@ -117,7 +118,7 @@ class SqliteCatalog(SqlCatalog):
 
         def apply(conn: sqlite3.Connection) -> list[str]:
             conn.execute(q["create_schema_migrations"])
-            done = {row[0] for row in conn.execute(q["applied_migrations"])}
+            done = {row["version"] for row in conn.execute(q["applied_migrations"])}
             applied = []
             for version, name, sql in files:
                 if version in done:

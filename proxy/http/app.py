@@ -24,7 +24,7 @@ from proxy.clock import SYSTEM_CLOCK, Clock
 from proxy.config.settings import Settings
 from proxy.contract import Request
 from proxy.contract import Response as ASGIResponse
-from proxy.engine import Engine, open_engine
+from proxy.engine import Engine, Seams, open_engine
 from proxy.exceptions import CatalogError, NotConfigured, NotFound, describe_os_error
 from proxy.http import errors, responses
 from proxy.http.access_log import AccessLogMiddleware
@@ -76,13 +76,16 @@ class ShutdownSignal:
 
 
 def create_app(
-    settings: Settings, clock: Clock = SYSTEM_CLOCK, shutdown: ShutdownSignal | None = None
+    settings: Settings,
+    clock: Clock = SYSTEM_CLOCK,
+    shutdown: ShutdownSignal | None = None,
+    seams: Seams | None = None,
 ) -> Starlette:
     shutdown = shutdown or ShutdownSignal()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        async with open_engine(settings, clock) as engine:
+        async with open_engine(settings, clock, seams) as engine:
             engine.start_background()
             shutdown.attach(asyncio.get_running_loop(), engine.stop)
             log.info(

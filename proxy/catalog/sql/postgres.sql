@@ -8,7 +8,7 @@ SELECT 1
 
 -- name: select_clock
 -- The database's clock, Unix ms.
-SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms
 
 -- name: lock_migrations
 -- Postgres only: replicas starting together apply the schema one after another; the lock
@@ -56,7 +56,7 @@ FROM jsonb_to_recordset($1::jsonb) AS t(repository text, key text, at bigint)
 WHERE e.repository = t.repository AND e.key = t.key
 
 -- name: usage
-SELECT count(*), coalesce(sum(size), 0) FROM entries WHERE repository = $1
+SELECT count(*) AS entries, coalesce(sum(size), 0) AS bytes FROM entries WHERE repository = $1
 
 -- name: least_recently_used
 SELECT repository, key, kind, sha256, size, content_type, etag, last_modified, digests::text,
@@ -67,7 +67,8 @@ ORDER BY last_access_ms LIMIT $2
 -- name: storage_usage
 -- Proxied entries and bytes, hosted bytes, tombstoned bytes (sizes of entries, not of
 -- distinct blobs: docs/architecture.md, "Eviction and retention").
-SELECT p.entries, p.bytes, h.bytes, t.bytes FROM
+SELECT p.entries AS proxied_entries, p.bytes AS proxied_bytes, h.bytes AS hosted_bytes,
+       t.bytes AS tombstoned_bytes FROM
     (SELECT count(*) AS entries, coalesce(sum(size), 0)::bigint AS bytes
      FROM entries WHERE kind IN ('immutable', 'metadata')) AS p,
     (SELECT coalesce(sum(size), 0)::bigint AS bytes FROM entries WHERE kind = 'hosted') AS h,
@@ -125,7 +126,7 @@ DELETE FROM blob_tombstones WHERE sha256 IN (SELECT jsonb_array_elements_text($1
 -- name: unreferenced_blobs
 -- $1: a JSON array of sha256s; those no entry refers to and no tombstone names (the
 -- orphan sweep asks once per batch of names, not once per blob).
-SELECT v.sha FROM jsonb_array_elements_text($1::jsonb) AS v(sha)
+SELECT v.sha AS sha256 FROM jsonb_array_elements_text($1::jsonb) AS v(sha)
 WHERE NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = v.sha)
   AND NOT EXISTS (SELECT 1 FROM blob_tombstones WHERE blob_tombstones.sha256 = v.sha)
 
@@ -178,7 +179,7 @@ UPDATE fetch_leases SET stream_file = $4, stream_type = $5, stream_length = $6
 WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
 
 -- name: select_lease
-SELECT key, holder, fence, state, expires_at <= clock_timestamp(),
+SELECT key, holder, fence, state, expires_at <= clock_timestamp() AS expired,
        stream_file, stream_type, stream_length
 FROM fetch_leases WHERE key = $1
 
@@ -215,7 +216,8 @@ UPDATE job_runs SET outcome = $3, finished_at = clock_timestamp() WHERE name = $
 -- name: select_job_runs
 -- Every job's last run; times in Unix ms (NULL: never started), and the database's now.
 SELECT name, run_id,
-       CASE WHEN isfinite(started_at) THEN (extract(epoch FROM started_at) * 1000)::bigint END,
-       (extract(epoch FROM finished_at) * 1000)::bigint, outcome, holder,
-       (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+       CASE WHEN isfinite(started_at) THEN (extract(epoch FROM started_at) * 1000)::bigint END
+           AS started_at_ms,
+       (extract(epoch FROM finished_at) * 1000)::bigint AS finished_at_ms, outcome, holder,
+       (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms
 FROM job_runs ORDER BY name

@@ -8,7 +8,7 @@ SELECT 1
 
 -- name: select_clock
 -- The database's clock, Unix ms.
-SELECT clock_ms()
+SELECT clock_ms() AS now_ms
 
 -- name: create_schema_migrations
 CREATE TABLE IF NOT EXISTS schema_migrations
@@ -52,7 +52,7 @@ FROM (SELECT value ->> 'repository' AS repository, value ->> 'key' AS key,
 WHERE entries.repository = t.repository AND entries.key = t.key
 
 -- name: usage
-SELECT count(*), coalesce(sum(size), 0) FROM entries WHERE repository = ?1
+SELECT count(*) AS entries, coalesce(sum(size), 0) AS bytes FROM entries WHERE repository = ?1
 
 -- name: least_recently_used
 SELECT repository, key, kind, sha256, size, content_type, etag, last_modified, digests,
@@ -63,7 +63,8 @@ ORDER BY last_access_ms LIMIT ?2
 -- name: storage_usage
 -- Proxied entries and bytes, hosted bytes, tombstoned bytes (sizes of entries, not of
 -- distinct blobs: docs/architecture.md, "Eviction and retention").
-SELECT p.entries, p.bytes, h.bytes, t.bytes FROM
+SELECT p.entries AS proxied_entries, p.bytes AS proxied_bytes, h.bytes AS hosted_bytes,
+       t.bytes AS tombstoned_bytes FROM
     (SELECT count(*) AS entries, coalesce(sum(size), 0) AS bytes
      FROM entries WHERE kind IN ('immutable', 'metadata')) AS p,
     (SELECT coalesce(sum(size), 0) AS bytes FROM entries WHERE kind = 'hosted') AS h,
@@ -112,7 +113,7 @@ DELETE FROM blob_tombstones WHERE sha256 IN (SELECT value FROM json_each(?1))
 -- name: unreferenced_blobs
 -- ?1: a JSON array of sha256s; those no entry refers to and no tombstone names (the
 -- orphan sweep asks once per batch of names, not once per blob).
-SELECT v.value FROM json_each(?1) AS v
+SELECT v.value AS sha256 FROM json_each(?1) AS v
 WHERE NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = v.value)
   AND NOT EXISTS (SELECT 1 FROM blob_tombstones WHERE blob_tombstones.sha256 = v.value)
 
@@ -173,7 +174,7 @@ UPDATE fetch_leases SET stream_file = ?4, stream_type = ?5, stream_length = ?6
 WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
 
 -- name: select_lease
-SELECT key, holder, fence, state, expires_at <= clock_ms(),
+SELECT key, holder, fence, state, expires_at <= clock_ms() AS expired,
        stream_file, stream_type, stream_length
 FROM fetch_leases WHERE key = ?1
 
@@ -201,5 +202,6 @@ UPDATE job_runs SET outcome = ?3, finished_at_ms = clock_ms() WHERE name = ?1 AN
 
 -- name: select_job_runs
 -- Every job's last run; times in Unix ms (NULL: never started), and the database's now.
-SELECT name, run_id, nullif(started_at_ms, 0), finished_at_ms, outcome, holder, clock_ms()
+SELECT name, run_id, nullif(started_at_ms, 0) AS started_at_ms, finished_at_ms, outcome,
+       holder, clock_ms() AS now_ms
 FROM job_runs ORDER BY name
