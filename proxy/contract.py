@@ -82,11 +82,18 @@ from proxy.types import (
 # Upstream answers that mean "no such file" (cached as such); anything else that is not
 # a success is an outage, never a 404.
 NOT_FOUND_STATUSES = (404, 410)
+# In a stored body, where the repository's absolute URL goes (``Request.base_url``): the
+# engine puts the URL of the client's request in its place each time it serves a body
+# whose spec says ``base_url_marks``, so what is stored never depends on a client's Host
+# header. A NUL never occurs in JSON, XML or HTML a format renders (they escape control
+# characters), so nothing else in such a body is mistaken for it.
+BASE_URL_MARK = "\x00"
 # Keys the engine gives every repository of a proxying format (``Proxying``); a format's
 # own options must not use them.
 ENGINE_REPOSITORY_KEYS = ("upstream", "allow_hosts", "retention")
 
 __all__ = [
+    "BASE_URL_MARK",
     "ENGINE_REPOSITORY_KEYS",
     "KNOWN_DIGESTS",
     "NOT_FOUND_STATUSES",
@@ -395,6 +402,14 @@ class FetchSpec:
     negative_ttl_s: float = 0.0
     digests: tuple[str, ...] = ()  # extra digests to compute and keep (e.g. sha1, md5)
     stream: bool = True  # may clients read the body while it downloads?
+    # The body holds BASE_URL_MARK where the repository's absolute URL goes; it is filled
+    # in per request (no byte ranges then: offsets differ by client). Such a body is
+    # never streamed while it downloads: its marks are not filled in yet.
+    base_url_marks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.base_url_marks and self.stream:
+            raise ValueError(f"{self.key}: a body with base-URL marks cannot stream (stream=False)")
 
     @property
     def storable(self) -> bool:

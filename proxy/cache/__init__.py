@@ -22,7 +22,7 @@ from proxy.contract import FetchSpec, Request, Response
 from proxy.exceptions import CatalogError
 from proxy.fetch.fetcher import Fetcher, under_current_ttl
 from proxy.http import responses
-from proxy.http.responses import HotBlobs
+from proxy.http.responses import HotBlobs, MarkCounts
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.storage.blobs import BlobStore
@@ -60,6 +60,7 @@ class Cache:
         self.access = access
         self.hot = hot
         self.clock = clock
+        self.marks = MarkCounts()
 
     async def lookup(
         self, repository: str, key: str, spec: FetchSpec | None = None
@@ -153,11 +154,23 @@ class Cache:
         return await self.access.flush(self.catalog)
 
     async def render_entry(
-        self, entry: Entry, request: Request, extra: Mapping[str, str]
+        self,
+        entry: Entry,
+        request: Request,
+        extra: Mapping[str, str],
+        base_url: str | None = None,
     ) -> Response:
-        """Serve a stored entry as is; raises FileNotFoundError if its blob is gone."""
+        """Serve a stored entry: as is, or with its base-URL marks replaced by
+        ``base_url`` (docs/architecture.md, "Requests"). Raises FileNotFoundError if its
+        blob is gone."""
         assert entry.sha256 is not None
         path = self.blobs.path_str(entry.sha256)
+        now_ms = self.clock.now_ms()
+        if base_url is not None:
+            return await responses.relocated_blob(
+                request.headers, request.method, entry, path, self.hot, self.marks, extra,
+                now_ms, base_url,
+            )  # fmt: skip
         return await responses.blob(
-            request.headers, request.method, entry, path, self.hot, extra, self.clock.now_ms()
+            request.headers, request.method, entry, path, self.hot, extra, now_ms
         )

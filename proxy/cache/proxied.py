@@ -153,32 +153,35 @@ class ProxiedView:
     async def _render(
         self, outcome: Outcome, spec: FetchSpec, request: Request, extra: dict[str, str]
     ) -> Response:
+        # A body naming the proxy gets the URL this client reaches us at, never stored.
+        base_url = request.base_url if spec.base_url_marks else None
         if isinstance(outcome, Stored):
-            return await self.cache.render_entry(outcome.entry, request, extra)
+            return await self.cache.render_entry(outcome.entry, request, extra, base_url)
         if isinstance(outcome, Stale):
             note_outcome("stale")
             # Expired: say so, and let no cache keep it.
             extra = {**extra, "warning": '110 - "Response is Stale"', "cache-control": "no-cache"}
-            return await self.cache.render_entry(outcome.entry, request, extra)
+            return await self.cache.render_entry(outcome.entry, request, extra, base_url)
         if isinstance(outcome, Streaming):
-            if outcome.transfer.verified():
+            if outcome.transfer.verified() or base_url is not None:
                 # Only storing remains (fsync, catalog): a request that comes now is
-                # answered as the stored entry (ETag, Range, 304), like right after.
+                # answered as the stored entry (ETag, Range, 304), like right after. A
+                # body with marks is always answered so: its marks must be filled in.
                 entry = await outcome.transfer.result()
                 if entry is not None:
                     with contextlib.suppress(FileNotFoundError):
-                        return await self.cache.render_entry(entry, request, extra)
+                        return await self.cache.render_entry(entry, request, extra, base_url)
+                if base_url is not None:
+                    raise RetryLater(f"{spec.key}: stored but not recorded; retry")
             now_ms = self.cache.clock.now_ms()
             policy = responses.cache_control(spec.kind, spec.expires_at_ms(now_ms), now_ms)
             return responses.downloading(request.method, outcome.transfer, extra, self.name, policy)
         if isinstance(outcome, Inline):
+            body = outcome.body
+            if base_url is not None:
+                body = body.replace(responses.MARK, base_url.encode("ascii"))
             return responses.inline(
-                request.headers,
-                request.method,
-                outcome.body,
-                outcome.content_type,
-                extra,
-                self.name,
+                request.headers, request.method, body, outcome.content_type, extra, self.name
             )
         raise NotFound(outcome.message)
 

@@ -12,10 +12,10 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from proxy.catalog import Entry
-from proxy.contract import Request
+from proxy.contract import BASE_URL_MARK, Request
 from proxy.fetch.download import SEND_CHUNK_BYTES
 from proxy.fetch.transfer import Transfer
 from proxy.http.access_log import note_sent
@@ -42,6 +42,9 @@ HOT_MAX_BLOB_BYTES = 256 * 1024  # blobs up to this size are kept in memory
 HOT_CAPACITY_BYTES = 64 * 1024 * 1024
 # Redirects a format answers on its own (e.g. PEP 503 name normalization) never change.
 REDIRECT_MAX_AGE_S = 86400
+MARK = BASE_URL_MARK.encode()
+MARK_COUNTS_CAPACITY = 10_000  # bodies whose count of base-URL marks is remembered
+MARK_COUNT_READ_BYTES = 1024 * 1024
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -94,10 +97,18 @@ class BodyResponse:
 
 
 class FileResponse:
-    """A byte range of an open blob file, read in large chunks off the event loop."""
+    """A byte range of an open blob file, read in large chunks off the event loop;
+    ``rewrite`` (if any) turns each chunk into what is sent (see ``relocated_blob``)."""
 
     def __init__(
-        self, status: int, headers: Headers, fd: int, start: int, length: int, repository: str
+        self,
+        status: int,
+        headers: Headers,
+        fd: int,
+        start: int,
+        length: int,
+        repository: str,
+        rewrite: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.status = status
         self.headers = headers
@@ -105,6 +116,7 @@ class FileResponse:
         self.start = start
         self.length = length
         self.repository = repository
+        self.rewrite = rewrite
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = asyncio.Event()
@@ -129,6 +141,8 @@ class FileResponse:
                     # The file shrank under us (it never should): end the response short.
                     return
                 offset += len(data)
+                if self.rewrite is not None:
+                    data = self.rewrite(data)
                 sent += len(data)
                 await send({"type": "http.response.body", "body": data, "more_body": offset < end})
             if self.length == 0:
@@ -329,6 +343,89 @@ async def blob(
         return BodyResponse(status, headers, body[start : start + length], entry.repository)
     fd = await run_blocking(os.open, path, os.O_RDONLY)
     return FileResponse(status, headers, fd, start, length, entry.repository)
+
+
+class MarkCounts:
+    """How many base-URL marks a stored body holds, by sha256 (content-addressed, so never
+    stale; LRU-bounded): a large body is counted once, not at every request."""
+
+    def __init__(self, capacity: int = MARK_COUNTS_CAPACITY) -> None:
+        self.capacity = capacity
+        self._counts: OrderedDict[str, int] = OrderedDict()
+
+    async def of(self, sha256: str, path: str) -> int:
+        count = self._counts.get(sha256)
+        if count is None:
+            count = await run_blocking(_count_marks, path)  # FileNotFoundError if gone
+            self._counts[sha256] = count
+            if len(self._counts) > self.capacity:
+                self._counts.popitem(last=False)
+        else:
+            self._counts.move_to_end(sha256)
+        return count
+
+
+def _count_marks(path: str) -> int:
+    count = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(MARK_COUNT_READ_BYTES):
+            count += chunk.count(MARK)
+    return count
+
+
+async def relocated_blob(
+    request_headers: Mapping[str, str],
+    method: str,
+    entry: Entry,
+    path: str,
+    hot: HotBlobs,
+    marks: MarkCounts,
+    extra: Mapping[str, str],
+    now_ms: int,
+    base_url: str,
+) -> BodyResponse | FileResponse:
+    """Serve a stored entry whose body holds base-URL marks (``FetchSpec.base_url_marks``),
+    each one replaced by ``base_url``: the bytes differ by the URL clients reach us at, so
+    the ETag names both the blob and that URL, and there are no byte ranges. A small body
+    is rewritten in memory; a large one chunk by chunk as it is read (the mark is one
+    byte, so no chunk boundary splits one), its length from a count made once. Raises
+    FileNotFoundError if the blob is gone."""
+    assert entry.sha256 is not None
+    base = base_url.encode("ascii")
+    etag = etag_of(f"{entry.sha256}-{hashlib.sha256(base).hexdigest()[:16]}")
+    last_modified = entry.last_modified
+    if not last_modified or not header_value_ok(last_modified):
+        last_modified = http_date(entry.fetched_at_ms)
+    headers = _base_headers(entry.content_type, extra)
+    if "cache-control" not in extra:
+        headers.append((b"cache-control", cache_control(entry.kind, entry.expires_at_ms, now_ms)))
+    headers.append((b"etag", etag.encode()))
+    headers.append((b"last-modified", last_modified.encode("latin-1")))
+    if_none_match = request_headers.get("if-none-match")
+    if matches_etag(if_none_match, etag) or (
+        if_none_match is None
+        and not_modified_since(last_modified, request_headers.get("if-modified-since"))
+    ):
+        return BodyResponse(304, headers, b"", entry.repository)
+    if entry.size <= HOT_MAX_BLOB_BYTES:
+        body = hot.get(entry.sha256)
+        if body is None:
+            body = await run_blocking(_read_file, path)
+            hot.put(entry.sha256, body)
+        served = body.replace(MARK, base)
+        headers.append((b"content-length", str(len(served)).encode()))
+        return BodyResponse(200, headers, b"" if method == "HEAD" else served, entry.repository)
+    count = await marks.of(entry.sha256, path)
+    length = entry.size + count * (len(base) - len(MARK))
+    headers.append((b"content-length", str(length).encode()))
+    if method == "HEAD":
+        return BodyResponse(200, headers, b"", entry.repository)
+    fd = await run_blocking(os.open, path, os.O_RDONLY)
+
+    def rewrite(chunk: bytes) -> bytes:
+        return chunk.replace(MARK, base)
+
+    return FileResponse(200, headers, fd, 0, entry.size, entry.repository, rewrite)
 
 
 def _read_file(path: str) -> bytes:
