@@ -23,6 +23,7 @@ def test_embedded_defaults_need_no_file() -> None:
         ("pypi", "pypi"),
         ("maven", "maven"),
         ("gradle-cache", "gradle-build-cache"),
+        ("npm", "npm"),
     ]
     assert all(not r.upstreams for r in settings.repositories)
 
@@ -201,7 +202,7 @@ def test_structural_errors(tmp_path: Path) -> None:
             """
         [[repositories]]
         name = "a"
-        format = "npm"
+        format = "cargo"
     """,
         )
     )
@@ -286,7 +287,13 @@ def test_check_config_command(tmp_path: Path) -> None:
 
 def test_the_example_config_is_valid_and_documents_every_key() -> None:
     settings = load("config.example.toml", {"GRADLE_CACHE_CI_PASSWORD": "x"})
-    assert [r.name for r in settings.repositories] == ["pypi", "maven", "gradle-cache", "tools"]
+    assert [r.name for r in settings.repositories] == [
+        "pypi",
+        "maven",
+        "gradle-cache",
+        "tools",
+        "npm",
+    ]
     described = settings.describe()
     example = Path("config.example.toml").read_text()
     for line in described.splitlines():

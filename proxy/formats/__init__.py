@@ -31,6 +31,7 @@ REGISTRY: dict[str, str] = {
     "maven": "proxy.formats.maven",
     "gradle-build-cache": "proxy.formats.gradle_cache",
     "raw": "proxy.formats.raw",
+    "npm": "proxy.formats.npm",
 }
 
 _PURL_TYPE_RE = re.compile(r"^[a-z][a-z0-9.+-]*$")

@@ -1,0 +1,551 @@
+"""npm registries: ``/{repo}/{package}`` (packuments) and the tarballs they list.
+
+A packument is cached per representation, full (``application/json``) or abbreviated
+(``application/vnd.npm.install-v1+json``, what ``npm install`` asks for), both rendered
+from the upstream's full document, so the publish times (``time``) are always at hand.
+Each tarball URL is rewritten to point back at the proxy; what is stored names the
+proxy only by ``BASE_URL_MARK``, which the engine fills in with each request's own URL
+(``server.public_url``, else its Host), so no client changes what another gets. The
+upstream URL of every tarball is recorded (``LinkStore``): a tarball request can only
+make the proxy fetch a URL a packument it fetched listed, verified against that
+packument's ``dist.integrity`` (SRI, e.g. sha512) and ``dist.shasum`` (sha1).
+
+Scoped packages are named either way: ``/@scope%2fname`` (what npm sends) and
+``/@scope/name``. Publishing, login, audit and search are not offered (501).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote, urljoin, urlsplit
+
+from proxy.contract import (
+    BASE_URL_MARK,
+    KNOWN_DIGESTS,
+    NOT_FOUND_STATUSES,
+    BadRequest,
+    Digests,
+    Duration,
+    Fetched,
+    FetchError,
+    FetchSpec,
+    FormatPlugin,
+    Kind,
+    Link,
+    LinkBatch,
+    MethodNotAllowed,
+    Mirroring,
+    MirrorVersions,
+    NotAcceptable,
+    NotFound,
+    NotSupported,
+    OriginContext,
+    PackageRef,
+    ProxyContext,
+    Proxying,
+    RepositorySettings,
+    Request,
+    Response,
+    Size,
+    Status,
+    UpstreamUnavailable,
+    Validators,
+    decode_segment,
+    option,
+)
+
+FULL = "application/json"
+ABBREVIATED = "application/vnd.npm.install-v1+json"
+Representation = Literal["full", "abbreviated"]
+CONTENT_TYPES: dict[Representation, str] = {"full": FULL, "abbreviated": ABBREVIATED}
+# What the abbreviated form keeps of each version (the registry's "corgi" documents).
+ABBREVIATED_FIELDS = (
+    "name", "version", "dist", "deprecated", "dependencies", "optionalDependencies",
+    "devDependencies", "bundleDependencies", "bundledDependencies", "peerDependencies",
+    "peerDependenciesMeta", "acceptDependencies", "bin", "directories", "engines", "os",
+    "cpu", "libc", "_hasShrinkwrap", "hasInstallScript", "funding", "license",
+)  # fmt: skip
+SRI_DIGESTS = {"sha1": "sha1", "sha256": "sha256", "sha384": "sha384", "sha512": "sha512"}
+DEFAULT_MAX_PACKUMENT_SIZE = 128 * 2**20  # the largest public packuments are tens of MB
+PACKAGE_NAME_MAX_CHARS = 214
+_PART_RE = re.compile(r"^[A-Za-z0-9~-][A-Za-z0-9._~-]*$")
+_VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,255}$")
+_TARBALL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+~-]{0,300}\.tgz$")
+_SCOPE_SEPARATOR_RE = re.compile("%2f", re.IGNORECASE)
+# Endpoints of npm's protocol the proxy does not offer, and why (``/-/...`` paths).
+UNSUPPORTED = {
+    "npm/v1/security": "audit is not offered by this proxy (it would send your dependency "
+    "tree upstream); run npm with --no-audit or set audit=false",
+    "v1/search": "search is not offered by this proxy; search the upstream registry itself",
+    "user": "login is not offered by this proxy: it serves public packages read-only",
+    "v1/login": "login is not offered by this proxy: it serves public packages read-only",
+    "whoami": "login is not offered by this proxy, so there is nobody to be",
+    "npm/v1/tokens": "tokens are not offered by this proxy: it has no accounts",
+}
+
+
+@dataclass(frozen=True)
+class NpmOptions:
+    metadata_ttl_s: float = option(Duration(), 300.0, key="metadata_ttl")
+    negative_ttl_s: float = option(Duration(), 60.0, key="negative_ttl")
+    max_packument_size: int = option(Size(), DEFAULT_MAX_PACKUMENT_SIZE)
+
+
+@dataclass(frozen=True)
+class PackageName:
+    """A valid package name: ``left-pad`` or ``@scope/name``."""
+
+    name: str
+
+    @property
+    def unscoped(self) -> str:
+        return self.name.rpartition("/")[2]
+
+    @property
+    def upstream_path(self) -> str:
+        """How registries spell it in a URL: the scope's slash escaped."""
+        return quote(self.name, safe="@")
+
+    def tarball_key(self, filename: str) -> str:
+        return f"{self.name}/-/{filename}"
+
+    @classmethod
+    def parse(cls, name: str) -> PackageName:
+        scope, slash, bare = name.rpartition("/")
+        valid = _PART_RE.match(bare) is not None and len(name) <= PACKAGE_NAME_MAX_CHARS
+        if slash:
+            valid = valid and scope.startswith("@") and _PART_RE.match(scope[1:]) is not None
+        if not valid:
+            raise BadRequest(
+                f"{name!r} is not an npm package name (name or @scope/name: letters, digits "
+                f"and -._~, at most {PACKAGE_NAME_MAX_CHARS} characters)"
+            )
+        return cls(name)
+
+
+def split_name(segments: tuple[str, ...]) -> tuple[PackageName, tuple[str, ...]]:
+    """The package a path names, and the segments after it: ``@scope%2fname/...``,
+    ``@scope/name/...`` or ``name/...``; ``BadRequest`` for anything else."""
+    first = segments[0]
+    if first.startswith("@") and _SCOPE_SEPARATOR_RE.search(first):
+        scope, bare = _SCOPE_SEPARATOR_RE.split(first, maxsplit=1)
+        name, rest = f"{decode_segment(scope)}/{decode_segment(bare)}", segments[1:]
+    elif first.startswith("@") and len(segments) > 1:
+        name, rest = f"{decode_segment(first)}/{decode_segment(segments[1])}", segments[2:]
+    else:
+        name, rest = decode_segment(first), segments[1:]
+    return PackageName.parse(name), rest
+
+
+def negotiate(accept: str | None) -> Representation | None:
+    """The abbreviated form when the client prefers it (``npm install``), else the full
+    one; None when the client takes neither (406)."""
+    q = {"abbreviated": 0.0, "full": 0.0, "*": 0.0}
+    for part in (accept or "*/*").split(","):
+        media, *params = [p.strip() for p in part.split(";")]
+        weight = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    weight = min(max(float(value), 0.0), 1.0)
+                except ValueError:
+                    weight = 0.0
+        media = media.lower()
+        slot = {ABBREVIATED: "abbreviated", FULL: "full", "*/*": "*", "application/*": "*"}
+        if media in slot:
+            q[slot[media]] = max(q[slot[media]], weight)
+    abbreviated = q["abbreviated"]
+    full = q["full"] or q["*"]
+    if abbreviated > 0 and abbreviated >= full:
+        return "abbreviated"
+    return "full" if full > 0 else None
+
+
+class NpmRepository:
+    def __init__(self, settings: RepositorySettings[NpmOptions], ctx: ProxyContext) -> None:
+        self.name = settings.name
+        self.options = settings.options
+        self.cache = ctx.cache
+        self.compute = ctx.compute
+        self.responses = ctx.responses
+        # The engine answers 503 for a repository without an upstream, before we are asked.
+        self.registry = settings.upstreams[0] if settings.upstreams else ""
+
+    async def handle(self, request: Request) -> Response:
+        segments = request.segments
+        if segments[0] == "-":
+            return await self._special(request, segments[1:])
+        if request.method in ("PUT", "DELETE"):
+            raise NotSupported(
+                "publishing and unpublishing are not offered by this proxy: it serves "
+                "public packages read-only; publish to the registry itself"
+            )
+        if request.method not in ("GET", "HEAD"):
+            raise MethodNotAllowed(f"{request.method} is not allowed here", ("GET", "HEAD"))
+        if segments == ("",):
+            raise NotFound(
+                f"/{request.repository}/: name a package, e.g. /{request.repository}/left-pad"
+            )
+        package, rest = split_name(segments)
+        if rest in ((), ("",)):
+            return await self._packument(request, package)
+        if len(rest) == 2 and rest[0] == "-":
+            return await self._tarball(request, package, decode_segment(rest[1]))
+        if len(rest) == 1:
+            return await self._manifest(request, package, decode_segment(rest[0]))
+        raise NotFound(f"/{request.repository}/{request.raw_path}: no such npm registry path")
+
+    async def _special(self, request: Request, rest: tuple[str, ...]) -> Response:
+        """``/-/...``: npm's endpoints that are not a package."""
+        path = "/".join(rest)
+        if path == "ping":
+            return self.responses.inline(request, b"{}", FULL)
+        if len(rest) >= 3 and rest[0] == "package" and "dist-tags" in rest:
+            if request.method not in ("GET", "HEAD"):
+                raise NotSupported("changing dist-tags is not offered by this proxy")
+            package, left = split_name(rest[1:])
+            if left != ("dist-tags",):
+                raise NotFound(f"/{request.repository}/-/{path}: no such npm registry endpoint")
+            tags = await self._look_up(package, dist_tags_of)
+            return self.responses.inline(request, tags, FULL)
+        for prefix, why in UNSUPPORTED.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                raise NotSupported(why)
+        raise NotFound(f"/{request.repository}/-/{path}: no such npm registry endpoint")
+
+    # -- packuments --------------------------------------------------------------------
+
+    def packument_spec(self, package: PackageName, representation: Representation) -> FetchSpec:
+        return FetchSpec(
+            key=f"packument/{package.name}#{representation}",
+            kind=Kind.METADATA,
+            origin=PackumentOrigin(
+                self.name,
+                self.registry + package.upstream_path,
+                package,
+                representation,
+                self.options.max_packument_size,
+            ),
+            ttl_s=self.options.metadata_ttl_s,
+            negative_ttl_s=self.options.negative_ttl_s,
+            stream=False,
+            base_url_marks=True,
+        )
+
+    async def _packument(self, request: Request, package: PackageName) -> Response:
+        representation = negotiate(request.headers.get("accept"))
+        if representation is None:
+            raise NotAcceptable(
+                f"no acceptable representation; this registry serves {ABBREVIATED} and {FULL}"
+            )
+        spec = self.packument_spec(package, representation)
+        headers = {"content-type": CONTENT_TYPES[representation], "vary": "Accept"}
+        return await self.cache.respond(spec, request, headers)
+
+    async def _look_up(self, package: PackageName, question: Callable[..., Any], *args: Any) -> Any:
+        """``question(body, *args)`` on our full packument of ``package``, in ``compute``
+        (a child process for all but tiny ones): only its small answer comes back, never
+        a parsed document of maybe millions of objects for the server to rebuild."""
+        spec = self.packument_spec(package, "full")
+        body = await self.cache.read(spec, self.options.max_packument_size)
+        return await self.compute(question, body, *args)
+
+    async def _manifest(self, request: Request, package: PackageName, wanted: str) -> Response:
+        """``/{package}/{version or dist-tag}``: one version's document (``npm view``)."""
+        manifest: bytes | None = await self._look_up(package, manifest_of, wanted)
+        if manifest is None:
+            raise NotFound(f"{package.name} has no version or dist-tag {wanted!r}")
+        body = manifest.replace(BASE_URL_MARK.encode(), request.base_url.encode())
+        return self.responses.inline(request, body, FULL)
+
+    # -- tarballs ---------------------------------------------------------------------------
+
+    def tarball_spec(self, package: PackageName, filename: str) -> FetchSpec:
+        key = package.tarball_key(filename)
+        return FetchSpec(
+            key=key,
+            kind=Kind.IMMUTABLE,
+            origin=TarballOrigin(key, lambda: self.packument_spec(package, "full")),
+            negative_ttl_s=self.options.negative_ttl_s,
+        )
+
+    async def _tarball(self, request: Request, package: PackageName, filename: str) -> Response:
+        if not _TARBALL_RE.match(filename):
+            raise BadRequest(f"{filename!r} is not a tarball name (name-version.tgz)")
+        return await self.cache.respond(self.tarball_spec(package, filename), request)
+
+    # -- mirrors -------------------------------------------------------------------------------
+
+    async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
+        """The tarballs of the version(s) a purl names: the version given, else the one
+        the ``latest`` dist-tag names, or every version."""
+        full_name = f"{package.namespace}/{package.name}" if package.namespace else package.name
+        name = PackageName.parse(full_name)
+        chosen, missing = await self._look_up(name, versions_to_mirror, package.version, versions)
+        if missing or not chosen:
+            raise NotFound(
+                f"{package}: {name.name} lists no version {', '.join(missing) or 'latest'}"
+            )
+        return [self.tarball_spec(name, tarball_file(name, version)) for version in chosen]
+
+
+def tarball_file(package: PackageName, version: str) -> str:
+    return f"{package.unscoped}-{version}.tgz"
+
+
+class PackumentOrigin:
+    """Fetches one upstream packument (always the full document), records the tarball
+    links it lists and renders our neutral form of one representation. Parsing and
+    rendering run in ``ctx.compute`` (a child process for all but tiny documents)."""
+
+    def __init__(
+        self,
+        repository: str,
+        url: str,
+        package: PackageName,
+        representation: Representation,
+        max_size: int,
+    ) -> None:
+        self.repository = repository
+        self.url = url
+        self.package = package
+        self.representation = representation
+        self.max_size = max_size
+
+    @asynccontextmanager
+    async def open(self, ctx: OriginContext, stale: Validators | None) -> AsyncIterator[Fetched]:
+        headers = {"Accept": FULL}
+        if stale is not None:
+            headers.update(stale.conditional_headers())
+        async with ctx.upstream.open("GET", self.url, headers) as response:
+            validators = Validators.of(response.headers)
+            if response.status == 304:
+                yield Fetched(Status.NOT_MODIFIED, validators=validators)
+                return
+            if response.status in NOT_FOUND_STATUSES:
+                message = f"package {self.package.name!r} not found on the upstream registry"
+                yield Fetched(Status.NOT_FOUND, message=message)
+                return
+            if response.status != 200:
+                raise UpstreamUnavailable(
+                    f"upstream registry answered {response.status} for {self.url}"
+                )
+            body = await response.read(self.max_size)
+            try:
+                rendered, links = await ctx.compute(
+                    render_packument,
+                    body,
+                    response.url,
+                    self.repository,
+                    self.package.name,
+                    self.representation,
+                )
+            except FetchError:
+                raise  # the parse itself failed (took too long, its process died)
+            except ValueError as exc:  # not JSON, or not a packument
+                raise UpstreamUnavailable(
+                    f"upstream document {self.url} is not a packument: {exc}"
+                ) from exc
+            await ctx.links.record(links)
+            yield Fetched(
+                Status.OK,
+                body=_one_chunk(rendered),
+                content_type=CONTENT_TYPES[self.representation],
+                length=len(rendered),
+                validators=validators,
+            )
+
+
+def render_packument(
+    body: bytes, page_url: str, repository: str, name: str, representation: Representation
+) -> tuple[bytes, LinkBatch]:
+    """Our neutral form of an upstream packument, and its tarball links (runs in
+    ``ctx.compute``). Every ``dist.tarball`` becomes ``BASE_URL_MARK`` + our path of it;
+    versions we could not serve safely (an odd version string, no http(s) tarball URL)
+    are left out, and dist-tags naming them too. ``ValueError`` if it is no packument."""
+    document = json.loads(body)
+    if not isinstance(document, dict) or not isinstance(document.get("versions", {}), dict):
+        raise ValueError("expected an object with a versions object")
+    if document.get("name", name) != name:
+        raise ValueError(f"it describes {document.get('name')!r}, not {name!r}")
+    package = PackageName(name)
+    # A token no upstream text can hold, put where the marks go: after json.dumps (which
+    # escapes every control character) it is swapped for the mark itself.
+    token = "npm-proxy-" + secrets.token_hex(16)
+    links = []
+    versions: dict[str, Any] = {}
+    for version, manifest in document.get("versions", {}).items():
+        if not (
+            isinstance(version, str) and _VERSION_RE.match(version) and isinstance(manifest, dict)
+        ):
+            continue
+        dist = manifest.get("dist")
+        if not isinstance(dist, dict) or not isinstance(dist.get("tarball"), str):
+            continue
+        tarball: str = dist["tarball"]
+        url = urljoin(page_url, tarball)
+        if urlsplit(url).scheme not in ("http", "https"):
+            continue
+        key = package.tarball_key(tarball_file(package, version))
+        links.append(Link(repository, key, url, dist_digests(dist)))
+        versions[version] = {**manifest, "dist": {**dist, "tarball": token + key}}
+    tags = document.get("dist-tags")
+    tags = (
+        {t: v for t, v in tags.items() if isinstance(t, str) and v in versions}
+        if isinstance(tags, dict)
+        else {}
+    )
+    if representation == "full":
+        rendered: dict[str, Any] = {
+            **document,
+            "name": name,
+            "dist-tags": tags,
+            "versions": versions,
+        }
+    else:
+        modified = document.get("modified")
+        if modified is None and isinstance(document.get("time"), dict):
+            modified = document["time"].get("modified")
+        rendered = {
+            "name": name,
+            **({"modified": modified} if isinstance(modified, str) else {}),
+            "dist-tags": tags,
+            "versions": {
+                v: {field: m[field] for field in ABBREVIATED_FIELDS if field in m}
+                for v, m in versions.items()
+            },
+        }
+    text = json.dumps(rendered, ensure_ascii=True, separators=(",", ":"))
+    return text.replace(token, BASE_URL_MARK).encode("ascii"), LinkBatch.encode(links)
+
+
+def dist_digests(dist: dict[str, Any]) -> Digests:
+    """What a tarball must match: every known digest of ``dist.integrity`` (Subresource
+    Integrity: ``sha512-<base64>``, several separated by spaces) and ``dist.shasum`` (sha1,
+    hex). A malformed value is left out (npm itself would not use it either)."""
+    digests: Digests = {}
+    integrity = dist.get("integrity")
+    if isinstance(integrity, str):
+        for token in integrity.split():
+            algorithm, _, value = token.partition("-")
+            name = SRI_DIGESTS.get(algorithm.lower())
+            if name is None or name not in KNOWN_DIGESTS:
+                continue
+            try:
+                raw = base64.b64decode(value.split("?")[0], validate=True)
+            except (binascii.Error, ValueError):
+                continue
+            if len(raw) == hashlib.new(name).digest_size:
+                digests[name] = raw.hex()
+    shasum = dist.get("shasum")
+    if isinstance(shasum, str) and re.fullmatch(r"[0-9a-fA-F]{40}", shasum):
+        digests.setdefault("sha1", shasum.lower())
+    return digests
+
+
+# Questions on our own stored packuments (run in ``compute``). Their marks are raw NULs
+# inside strings, which no escaped text holds: parsed as a token, so what they stand for
+# is told apart from any other text, and put back as marks in what is answered.
+
+
+def _parse_stored(body: bytes, token: str) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(body.replace(BASE_URL_MARK.encode(), token.encode()))
+    return document
+
+
+def dist_tags_of(body: bytes) -> bytes:
+    """The packument's dist-tags, as JSON."""
+    return json.dumps(_parse_stored(body, "")["dist-tags"]).encode()
+
+
+def versions_to_mirror(
+    body: bytes, version: str | None, versions: MirrorVersions
+) -> tuple[list[str], list[str]]:
+    """(the versions to warm, those asked for that the packument does not list)."""
+    document = _parse_stored(body, "")
+    listed = list(document["versions"])
+    if version is not None:
+        chosen = [version]
+    elif versions == "all":
+        chosen = listed
+    else:
+        chosen = [v for v in (document["dist-tags"].get("latest"),) if v is not None]
+    return chosen, [v for v in chosen if v not in document["versions"]]
+
+
+def manifest_of(body: bytes, wanted: str) -> bytes | None:
+    """One version's document (``wanted``: a version or a dist-tag) as JSON, its marks
+    in place; None if there is no such version."""
+    token = "npm-proxy-" + secrets.token_hex(16)
+    document = _parse_stored(body, token)
+    manifest = document["versions"].get(document["dist-tags"].get(wanted, wanted))
+    if not isinstance(manifest, dict):
+        return None
+    return json.dumps(manifest, ensure_ascii=True).replace(token, BASE_URL_MARK).encode("ascii")
+
+
+class TarballOrigin:
+    """Fetches a listed tarball from the URL its packument gave. Unknown yet (the
+    packument was never fetched here, as for ``npm ci`` from a lock file): the full
+    packument is fetched through the cache first; a packument never needs a tarball, so
+    the two fetches can never wait on each other."""
+
+    def __init__(self, key: str, packument_spec: Callable[[], FetchSpec]) -> None:
+        self.key = key
+        self.packument_spec = packument_spec
+
+    async def _link(self, ctx: OriginContext) -> Link:
+        link = await ctx.links.get(self.key)
+        if link is None:
+            await ctx.get(self.packument_spec())
+            link = await ctx.links.get(self.key)
+        if link is None:
+            name, _, filename = self.key.partition("/-/")
+            raise NotFound(
+                f"{filename} is not listed in the packument of {name!r}; the proxy only "
+                "fetches tarballs its packuments list"
+            )
+        return link
+
+    @asynccontextmanager
+    async def open(self, ctx: OriginContext, stale: Validators | None) -> AsyncIterator[Fetched]:
+        link = await self._link(ctx)
+        async with ctx.upstream.open("GET", link.url) as response:
+            if response.status in NOT_FOUND_STATUSES:
+                yield Fetched(
+                    Status.NOT_FOUND, message=f"{link.url} is listed but not found upstream"
+                )
+                return
+            if response.status != 200:
+                raise UpstreamUnavailable(f"upstream answered {response.status} for {link.url}")
+            yield Fetched(
+                Status.OK,
+                body=response.body(),
+                content_type="application/octet-stream",
+                length=response.length,
+                validators=Validators.of(response.headers),
+                expected=link.digests,
+            )
+
+
+async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
+FORMAT = FormatPlugin(
+    name="npm",
+    options=NpmOptions,
+    proxying=Proxying(build=NpmRepository, max_upstreams=1),
+    mirroring=Mirroring(purl_types=("npm",), keys=NpmRepository.mirror),
+    default_repository={"name": "npm", "format": "npm"},
+)
