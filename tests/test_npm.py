@@ -18,7 +18,7 @@ from proxy.clock import ManualClock
 from proxy.config.load import load
 from proxy.contract import BASE_URL_MARK
 from proxy.exceptions import UpstreamUnavailable
-from proxy.formats.npm import dist_digests, negotiate
+from proxy.formats.npm import dist_digests, negotiate, render_packument
 from proxy.testing import InMemoryProxy, MockResponse, UpstreamRequest
 from tests.conftest import write_config
 
@@ -417,3 +417,34 @@ async def test_an_sbom_of_npm_purls_drives_a_mirror(tmp_path: Path) -> None:
         assert (summary.fetched, summary.failed) == (2, 0)
         assert ("npm", "@acme/util/-/util-2.0.0.tgz") in p.catalog.entries
         assert ("npm", "left-pad/-/left-pad-1.0.0.tgz") in p.catalog.entries
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        b"[1, 2]",
+        b'{"name": 5}',
+        b'{"versions": []}',
+        b'{"versions": {"1.0.0": {"dist": {"tarball": 5, "integrity": 5, "shasum": []}}}}',
+        b'{"versions": {"1.0.0": {"dist": []}}, "dist-tags": {"latest": ["1.0.0"], "x": {}}}',
+        b'{"versions": {}, "dist-tags": "latest", "time": "never", "modified": 7}',
+        b'{"versions": {"1.0.0": {"dist": {"tarball": "https://f.example/a.tgz"}, "n": NaN}}}',
+        b'{"versions": {"1.0.0": {"dist": {"tarball": "https://f.example/a.tgz"}, "n": 1e999}}}',
+        b'{"readme": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"description": "\\ud800 a lone surrogate", "versions": {}}',
+        b"\xff\xfe not utf-8",
+    ],
+)
+def test_a_hostile_packument_is_refused_or_cleaned_never_a_crash(document: bytes) -> None:
+    """What an upstream sends cannot break the renderer: it is either a packument
+    (what we cannot serve left out) or a ValueError, which the origin turns into a 502."""
+    for representation in ("full", "abbreviated"):
+        try:
+            rendered, _links = render_packument(
+                document, REGISTRY + "x", "npm", "x", representation
+            )
+        except ValueError:
+            continue
+        parsed = json.loads(rendered.replace(BASE_URL_MARK.encode(), b""))
+        assert parsed["name"] == "x" and isinstance(parsed["versions"], dict)
+        assert all(isinstance(v, str) for v in parsed["dist-tags"].values())

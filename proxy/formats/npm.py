@@ -20,6 +20,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import re
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -62,6 +63,8 @@ from proxy.contract import (
     decode_segment,
     option,
 )
+
+log = logging.getLogger("proxy.npm")
 
 FULL = "application/json"
 ABBREVIATED = "application/vnd.npm.install-v1+json"
@@ -356,6 +359,14 @@ class PackumentOrigin:
                 raise UpstreamUnavailable(
                     f"upstream document {self.url} is not a packument: {exc}"
                 ) from exc
+            except Exception as exc:
+                # Input the renderer did not foresee: the document is refused, and the
+                # traceback logged, since it may be a bug of ours.
+                log.exception("cannot render upstream packument %s", self.url)
+                raise UpstreamUnavailable(
+                    f"upstream document {self.url} is not a packument we can read "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
             await ctx.links.record(links)
             yield Fetched(
                 Status.OK,
@@ -372,8 +383,19 @@ def render_packument(
     """Our neutral form of an upstream packument, and its tarball links (runs in
     ``ctx.compute``). Every ``dist.tarball`` becomes ``BASE_URL_MARK`` + our path of it;
     versions we could not serve safely (an odd version string, no http(s) tarball URL)
-    are left out, and dist-tags naming them too. ``ValueError`` if it is no packument."""
-    document = json.loads(body)
+    are left out, and dist-tags naming them too. ``ValueError`` if it is no packument
+    (not JSON, nested past Python's recursion limit, NaN or Infinity, which npm's JSON
+    parser refuses)."""
+    try:
+        return _render_packument(body, page_url, repository, name, representation)
+    except RecursionError:
+        raise ValueError("it is nested too deeply") from None
+
+
+def _render_packument(
+    body: bytes, page_url: str, repository: str, name: str, representation: Representation
+) -> tuple[bytes, LinkBatch]:
+    document = json.loads(body, parse_constant=_refuse_constant)
     if not isinstance(document, dict) or not isinstance(document.get("versions", {}), dict):
         raise ValueError("expected an object with a versions object")
     if document.get("name", name) != name:
@@ -401,7 +423,11 @@ def render_packument(
         versions[version] = {**manifest, "dist": {**dist, "tarball": token + key}}
     tags = document.get("dist-tags")
     tags = (
-        {t: v for t, v in tags.items() if isinstance(t, str) and v in versions}
+        {
+            t: v
+            for t, v in tags.items()
+            if isinstance(t, str) and isinstance(v, str) and v in versions
+        }
         if isinstance(tags, dict)
         else {}
     )
@@ -425,8 +451,12 @@ def render_packument(
                 for v, m in versions.items()
             },
         }
-    text = json.dumps(rendered, ensure_ascii=True, separators=(",", ":"))
+    text = json.dumps(rendered, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
     return text.replace(token, BASE_URL_MARK).encode("ascii"), LinkBatch.encode(links)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"it holds {name}, which is not JSON")
 
 
 def dist_digests(dist: dict[str, Any]) -> Digests:
