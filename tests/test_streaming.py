@@ -141,9 +141,12 @@ def test_waiting_replicas_stream_from_the_holders_first_bytes(
     assert answer["content-length"] == str(len(body))
     for r in waiting:
         # The same answer as the holder's client, and the first byte came while the
-        # holder was still downloading, not after it.
+        # holder was still downloading, not after it: before the holder's own client
+        # had the last byte (released once the download is verified), which a waiter
+        # that is not streaming can only follow (it waits for the stored entry). An
+        # order of events, not a share of a duration, which a loaded machine stretches.
         assert {k: v for k, v in r.headers.items() if k != "date"} == answer
-        assert r.ttfb < holding.ttlb / 2, (
+        assert r.ttfb < holding.ttlb, (
             f"first byte after {r.ttfb:.2f} s of a {holding.ttlb:.2f} s download"
         )
     assert upstream.count(PATH) == 1
