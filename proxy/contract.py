@@ -437,7 +437,8 @@ class ProxyCache(Protocol):
         ``headers`` are added to the answer (they win over the stored Content-Type).
         ``digest_headers`` turns the digests of the very bytes served (those of
         ``spec.digests`` and sha256) into more headers, when the answer is a stored
-        copy; an answer still downloading has no digests yet and gets none.
+        copy; an answer still downloading has no digests yet and gets none, nor does a
+        body with base-URL marks (the bytes sent differ from those stored).
         """
         ...
 

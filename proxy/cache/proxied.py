@@ -139,7 +139,9 @@ class ProxiedView:
         outcome, _hit = await self._outcome(spec)
         for attempt in (1, 2):
             answer_headers = extra
-            if digest_headers is not None and isinstance(outcome, Stored | Stale):
+            # Digests are of the stored bytes: a body with base-URL marks is sent
+            # otherwise, so it gets none (they would not be the digests of what it sends).
+            if isinstance(outcome, Stored | Stale) and digest_headers and not spec.base_url_marks:
                 answer_headers = {**extra, **digest_headers(outcome.entry.digests)}
             try:
                 return await self._render(outcome, spec, request, answer_headers)
