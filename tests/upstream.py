@@ -328,8 +328,12 @@ class ServerThread:
         deadline = time.monotonic() + 30
         while not self.server.started:
             if self.error is not None or not self.thread.is_alive():
+                # Its socket goes too: left open, it would surface as an unraisable
+                # ResourceWarning in whichever test runs next (warnings are errors).
+                self.sock.close()
                 raise RuntimeError(f"server failed to start: {self.error!r}")
             if time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError("server did not start within 30s")
             time.sleep(0.01)
         return self
