@@ -70,7 +70,10 @@ class Engine:
         self.tasks.spawn("access-flush", _flush_access_forever(self.cache))
         self.tasks.spawn("loop-lag", watch_loop_lag())
         if self.settings.leases.notify:
-            self.tasks.spawn("lease-listener", self.catalog.listen_leases(self.leases.notify))
+            self.tasks.spawn(
+                "lease-listener",
+                self.catalog.listen_leases(self.leases.notify, self.leases.set_listening),
+            )
         if scheduler:
             jobs = Scheduler(self.catalog, self.holder, self.tasks, self.clock)
             for job in self.jobs():

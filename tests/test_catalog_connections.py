@@ -197,7 +197,9 @@ async def test_the_session_listens_again_after_a_drop(
     states: list[bool] = []
     reconnects = metrics.DATABASE_RECONNECTS.labels(connection="session")
     before = reconnects._value.get()
-    listening = asyncio.ensure_future(catalog.listen_leases(received.append, states.append))
+    listening = asyncio.ensure_future(
+        catalog.listen_leases(lambda key, _row: received.append(key), states.append)
+    )
 
     async def until(condition: object, what: str) -> None:
         deadline = time.monotonic() + 10

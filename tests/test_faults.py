@@ -46,7 +46,9 @@ class FlakyCatalog(SqliteCatalog):
         await super().give_back_job_run(name, run_id)
 
 
-async def test_a_won_lease_is_released_when_the_next_read_fails(tmp_path: Path) -> None:
+async def test_a_won_lease_is_released_when_the_fetch_fails_before_the_upstream(
+    tmp_path: Path,
+) -> None:
     from proxy.cache.index import EntryIndex
     from proxy.contract import FetchSpec, OriginContext
     from proxy.fetch.fetcher import Fetcher, Miss
@@ -61,16 +63,16 @@ async def test_a_won_lease_is_released_when_the_next_read_fails(tmp_path: Path) 
     blobs.prepare()
     fetcher = Fetcher(catalog, blobs, EntryIndex(), leases, tasks, SYSTEM_CLOCK)
 
-    class NeverOpened:
+    class BrokenOrigin:
         def open(self, ctx: object, stale: object) -> object:
-            raise AssertionError("the fetch must not start")
+            raise CatalogError("injected: the origin needed the database, which failed")
 
-    spec = FetchSpec("k", Kind.IMMUTABLE, NeverOpened())  # type: ignore[arg-type]
+    spec = FetchSpec("k", Kind.IMMUTABLE, BrokenOrigin())  # type: ignore[arg-type]
     context = OriginContext(upstream=None, links=None, get=None, compute=None)  # type: ignore[arg-type]
-    catalog.fail_next.add("get_entry")  # the re-check right after the claim
     with pytest.raises(CatalogError):
         await fetcher.fetch(Miss("r", "pypi", spec, context), stale=None)
     row = await catalog.get_lease("r/k")
+    # Handed back at once (not left to expire), and not marked as the upstream's failure.
     assert row is not None and row.state == "released" and row.expired
     await tasks.close(1)
     await catalog.close()

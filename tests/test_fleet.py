@@ -177,6 +177,17 @@ def test_one_upstream_get_for_the_whole_fleet(
     assert sum(waits) >= 2, waits  # the replicas that did not fetch waited on the lease
     assert sorted(waits)[0] == 0  # and the holder did not
 
+    def claims(result: str) -> float:
+        return sum(
+            r.metric("proxy_fetch_lease_claims_total", repository="pypi", result=result)
+            for r in replicas
+        )
+
+    # One claim per replica for the file and one for the page: a replica that follows
+    # the holder's stream claims no more, and one that comes after the holder stored
+    # it finds the entry instead of winning a fresh lease.
+    assert (claims("won"), claims("held_elsewhere")) == (2, 2)
+
 
 def test_wait_is_detached_from_the_clients_that_started_it(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]

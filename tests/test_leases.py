@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import asyncpg
 import pytest
 
-from proxy.catalog import Catalog, Entry, LeaseGrant, open_catalog
+from proxy.catalog import (
+    Catalog,
+    Entry,
+    LeaseGrant,
+    LeaseRow,
+    StreamInfo,
+    migrations_dir,
+    open_catalog,
+)
+from proxy.catalog.postgres import PostgresCatalog
 from proxy.catalog.queries import load
 from proxy.clock import SYSTEM_CLOCK, ManualClock
-from proxy.config.settings import LeaseSettings
+from proxy.config.settings import DatabaseSettings, LeaseSettings
 from proxy.fetch.leases import LeaseCoordinator, Verdict
 from proxy.runtime.tasks import TaskSupervisor
 from proxy.types import Kind
 from tests.conftest import pass_time
+from tests.tcp_relay import Relay
 
 pg_sql = load("postgres")
 now_ms = SYSTEM_CLOCK.now_ms
@@ -49,6 +61,60 @@ async def test_racing_claims_have_one_winner(database_url: str) -> None:
 async def test_live_lease_of_another_holder_is_not_claimable(catalog: Catalog) -> None:
     assert await catalog.claim_lease("k", "a", 30) is not None
     assert await catalog.claim_lease("k", "b", 30) is None
+
+
+async def test_a_claim_after_the_holder_stored_the_entry_gets_nothing(
+    catalog: Catalog, clock: ManualClock
+) -> None:
+    held = await catalog.claim_lease("r/k", "a", 30)
+    assert held is not None
+    at = clock.now_ms()
+    await catalog.put_entry(Entry("r", "k", Kind.METADATA, "a" * 64, 1, None, at, at + 60_000))
+    assert await catalog.release_lease(held, "done")
+    # Claimable as a row, but the entry it was for is stored and fresh: nothing.
+    assert await catalog.claim_lease("r/k", "b", 30, unless_fresh=("r", "k", at)) is None
+    row = await catalog.get_lease("r/k")
+    assert row is not None and (row.holder, row.state) == ("a", "done")
+    # Once the entry has expired, the claim is a refresh like any other.
+    later = await catalog.claim_lease("r/k", "b", 30, unless_fresh=("r", "k", at + 60_000))
+    assert later is not None and later.fence > held.fence
+    # Another key of the repository, or no entry named, is not held back by it.
+    assert await catalog.claim_lease("r/k2", "b", 30, unless_fresh=("r", "k2", at)) is not None
+
+
+async def test_an_absent_or_expired_lease_with_a_fresh_entry_is_not_claimed(
+    catalog: Catalog, clock: ManualClock
+) -> None:
+    at = clock.now_ms()
+    await catalog.put_entry(Entry("r", "k", Kind.IMMUTABLE, "a" * 64, 1, None, at, None))
+    assert await catalog.claim_lease("r/k", "b", 30, unless_fresh=("r", "k", at)) is None
+    assert await catalog.get_lease("r/k") is None  # not even a row was written
+    dead = await catalog.claim_lease("r/other", "dead", 0.2)
+    assert dead is not None
+    await catalog.put_entry(Entry("r", "other", Kind.IMMUTABLE, "b" * 64, 1, None, at, None))
+    await pass_time(catalog, clock, 0.3)
+    assert await catalog.claim_lease("r/other", "b", 30, unless_fresh=("r", "other", at)) is None
+
+
+@pytest.mark.postgres
+async def test_a_claim_that_loses_writes_nothing(pg_url: str) -> None:
+    catalog = open_catalog(pg_url)
+    await catalog.migrate()
+    conn = await asyncpg.connect(pg_url)
+    try:
+        assert await catalog.claim_lease("k", "a", 30) is not None
+        xmax = await conn.fetchval("SELECT xmax::text FROM fetch_leases WHERE key = 'k'")
+        next_xid = "SELECT pg_snapshot_xmax(pg_current_snapshot())::text"
+        before = await conn.fetchval(next_xid)
+        for holder in ("b", "c", "d"):
+            assert await catalog.claim_lease("k", holder, 30) is None
+        # No row lock was taken (the row's xmax is unchanged) and no transaction ID
+        # was assigned: a losing claim is a read.
+        assert await conn.fetchval("SELECT xmax::text FROM fetch_leases WHERE key = 'k'") == xmax
+        assert await conn.fetchval(next_xid) == before
+    finally:
+        await conn.close()
+        await catalog.close()
 
 
 async def test_fence_grows_on_every_claim_including_reentrant(catalog: Catalog) -> None:
@@ -143,7 +209,7 @@ async def test_postgres_lease_times_use_clock_timestamp(pg_url: str) -> None:
     try:
         async with conn.transaction():
             await conn.execute("SELECT pg_sleep(1.0)")
-            fence = await conn.fetchval(pg_sql["claim_lease"], "k", "a", 1.5)
+            fence = await conn.fetchval(pg_sql["claim_lease"], "k", "a", 1.5, None, None, None)
             assert fence is not None
             remaining = await conn.fetchval(
                 "SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM fetch_leases WHERE key = 'k'"
@@ -191,6 +257,10 @@ def _coordinator(
     return LeaseCoordinator(catalog, settings, tasks, holder), tasks
 
 
+async def no_stream(stream: StreamInfo) -> None:
+    raise AssertionError(f"nothing was announced, yet {stream} was handed on")
+
+
 async def test_holder_renews_while_it_works(catalog: Catalog) -> None:
     coordinator, tasks = _coordinator(catalog, "a", ttl_s=0.6)
     held = await coordinator.claim("r", "k")
@@ -221,7 +291,7 @@ async def test_wait_ends_with_the_entry_the_holder_stored(catalog: Catalog) -> N
         await held.release("done")
 
     finishing = asyncio.ensure_future(finish())
-    result = await asyncio.wait_for(waiter.wait("r", "k", find), 5)
+    result = await asyncio.wait_for(waiter.wait("r", "k", find, no_stream), 5)
     await finishing
     assert result.verdict is Verdict.ENTRY and result.entry == entry
     await holder_tasks.close(1)
@@ -247,7 +317,7 @@ async def test_wait_ends_on_failed_or_released(
         await held.release(state)
 
     finishing = asyncio.ensure_future(finish())
-    result = await asyncio.wait_for(waiter.wait("r", "k", find), 5)
+    result = await asyncio.wait_for(waiter.wait("r", "k", find, no_stream), 5)
     await finishing
     assert result.verdict is verdict and result.fence == held.fence
     await holder_tasks.close(1)
@@ -264,7 +334,7 @@ async def test_wait_takes_over_when_the_holder_stops_renewing(
     async def find() -> Entry | None:
         return None
 
-    waiting = asyncio.ensure_future(waiter.wait("r", "k", find))
+    waiting = asyncio.ensure_future(waiter.wait("r", "k", find, no_stream))
     await asyncio.sleep(0.3)  # several polls (every 50 ms): the lease is still live
     assert not waiting.done(), "it must wait for the expiry, not less"
     await pass_time(catalog, clock, 0.5)
@@ -303,3 +373,149 @@ async def test_release_all_hands_back_every_held_lease(catalog: Catalog) -> None
 
 def test_lease_grant_is_a_value() -> None:
     assert LeaseGrant("k", "a", 1) == LeaseGrant("k", "a", 1)
+
+
+# -- waiting with notifications (Postgres) -------------------------------------------
+
+
+class CountingCatalog(PostgresCatalog):
+    """The Postgres catalog, counting the lease rows a waiter reads."""
+
+    reads = 0
+
+    async def get_lease(self, key: str) -> LeaseRow | None:
+        self.reads += 1
+        return await super().get_lease(key)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def listening_waiter(
+    pg_url: str, session_url: str | None = None
+) -> tuple[CountingCatalog, LeaseCoordinator, TaskSupervisor]:
+    """A waiter whose own TTL is 30 s: it reads the row every 10 s while notifications
+    arrive, every 100 ms while they do not."""
+    catalog = CountingCatalog(
+        pg_url,
+        migrations_dir() / "postgres",
+        SYSTEM_CLOCK,
+        DatabaseSettings(session_url=session_url),
+    )
+    await catalog.migrate()
+    tasks = TaskSupervisor()
+    settings = LeaseSettings(ttl_s=30, poll_interval_s=0.1, retention_s=3600)
+    coordinator = LeaseCoordinator(catalog, settings, tasks, "waiter")
+    tasks.spawn("listener", catalog.listen_leases(coordinator.notify, coordinator.set_listening))
+    await until(lambda: coordinator.listening, "never listened")
+    return catalog, coordinator, tasks
+
+
+@pytest.mark.postgres
+async def test_a_listening_waiter_follows_the_stream_and_the_outcome_without_reading(
+    pg_url: str,
+) -> None:
+    catalog, waiter, tasks = await listening_waiter(pg_url)
+    holder = open_catalog(pg_url)
+    streams: list[StreamInfo] = []
+
+    async def on_stream(stream: StreamInfo) -> None:
+        streams.append(stream)
+
+    try:
+        grant = await holder.claim_lease("r/k", "holder", 30)
+        assert grant is not None
+        waiting = asyncio.ensure_future(
+            waiter.wait("r", "k", lambda: catalog.get_entry("r", "k"), on_stream)
+        )
+        await until(lambda: catalog.reads == 1, "the waiter did not look")
+        stream = StreamInfo("0" * 32 + ".part", "application/gzip", 1234)
+        assert await holder.announce_stream(grant, stream)
+        await until(lambda: streams == [stream], "the announced file was not handed on")
+        at = now_ms()
+        entry = Entry("r", "k", Kind.IMMUTABLE, "a" * 64, 1234, None, at, None, last_access_ms=at)
+        await holder.put_entry(entry)
+        assert await holder.release_lease(grant, "done")
+        result = await asyncio.wait_for(waiting, 5)  # sooner than one 10 s pace
+        assert result.verdict is Verdict.ENTRY and result.entry == entry
+        # One read of the row when the wait began; the stream and the outcome came
+        # with their notifications.
+        assert catalog.reads == 1
+        assert streams == [stream]
+    finally:
+        await tasks.close(5)
+        await catalog.close()
+        await holder.close()
+
+
+@pytest.mark.postgres
+async def test_a_listening_waiter_looks_when_the_lease_would_expire(pg_url: str) -> None:
+    catalog, waiter, tasks = await listening_waiter(pg_url)
+    try:
+        assert await catalog.claim_lease("r/k", "dead-holder", 1.0) is not None
+        result = await asyncio.wait_for(
+            waiter.wait("r", "k", lambda: catalog.get_entry("r", "k"), no_stream), 6
+        )
+        assert result.verdict is Verdict.TAKEOVER  # at the expiry, not at the 10 s pace
+    finally:
+        await tasks.close(5)
+        await catalog.close()
+
+
+@pytest.mark.postgres
+async def test_waiters_poll_while_the_listener_is_cut_off_and_stop_when_it_is_back(
+    pg_url: str, postgres_admin_url: str
+) -> None:
+    port = int(postgres_admin_url.rsplit(":", 1)[1].split("/")[0])
+    relay = Relay(port).start()
+    database = pg_url.rpartition("/")[2]
+    catalog, waiter, tasks = await listening_waiter(pg_url, session_url=relay.url(database))
+    holder = open_catalog(pg_url)
+    try:
+        grant = await holder.claim_lease("r/k", "holder", 30)
+        assert grant is not None
+        waiting = asyncio.ensure_future(
+            waiter.wait("r", "k", lambda: catalog.get_entry("r", "k"), no_stream)
+        )
+        await until(lambda: catalog.reads == 1, "the waiter did not look")
+        relay.cut()  # the listener's connection drops and cannot come back yet
+        await until(lambda: not waiter.listening, "the loss went unnoticed")
+        await until(lambda: catalog.reads >= 5, "the waiter did not poll")  # 100 ms each
+        # The outcome while nothing is notified: the poll finds it.
+        assert await holder.release_lease(grant, "released")
+        result = await asyncio.wait_for(waiting, 5)
+        assert result.verdict is Verdict.TAKEOVER
+        relay.restore()
+        await until(lambda: waiter.listening, "the listener did not come back")
+    finally:
+        relay.stop()
+        await tasks.close(5)
+        await catalog.close()
+        await holder.close()
+
+
+async def test_a_late_notification_of_an_earlier_mandate_changes_nothing(
+    catalog: Catalog, clock: ManualClock
+) -> None:
+    waiter, tasks = _coordinator(catalog, "b", ttl_s=30)  # polls every 50 ms: no listener
+    first = await catalog.claim_lease("r/k", "dead", 0.01)
+    assert first is not None
+    await pass_time(catalog, clock, 0.05)
+    second = await catalog.claim_lease("r/k", "a", 30)
+    assert second is not None
+    waiting = asyncio.ensure_future(
+        waiter.wait("r", "k", lambda: catalog.get_entry("r", "k"), no_stream)
+    )
+    await asyncio.sleep(0.1)
+    # The release of the first mandate, delivered late: the wait goes on.
+    waiter.notify("r/k", LeaseRow("r/k", "dead", first.fence, "released", expired=False))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    waiter.notify("r/k", LeaseRow("r/k", "a", second.fence, "failed", expired=False))
+    result = await asyncio.wait_for(waiting, 5)
+    assert result.verdict is Verdict.FAILED and result.fence == second.fence
+    await tasks.close(1)

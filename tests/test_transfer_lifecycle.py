@@ -55,18 +55,20 @@ class Held:
 
 
 class ScriptedLeases:
-    """Grants the lease only once ``grant`` is set; ``wait`` returns what the test feeds
-    it, in order."""
+    """Grants the lease only once ``grant`` is set; ``wait`` hands on the announced files
+    and returns the outcome the test feeds it, in order."""
 
     def __init__(self) -> None:
-        self.results: asyncio.Queue[WaitResult] = asyncio.Queue()
+        self.results: asyncio.Queue[WaitResult | StreamInfo] = asyncio.Queue()
         self.grant = False
 
-    async def claim(self, repository: str, key: str) -> Held | None:
+    async def claim(self, repository: str, key: str, unless_stored: bool = True) -> Held | None:
         return Held() if self.grant else None
 
-    async def wait(self, repository: str, key: str, find_entry: Any, following: Any) -> WaitResult:
-        return await self.results.get()
+    async def wait(self, repository: str, key: str, find_entry: Any, on_stream: Any) -> WaitResult:
+        while isinstance(item := await self.results.get(), StreamInfo):
+            await on_stream(item)
+        return item
 
 
 def scripted_fetcher(
@@ -85,9 +87,7 @@ async def follow_half(
     fetcher: Fetcher, miss: Miss, leases: ScriptedLeases, name: str
 ) -> transfer_mod.Transfer:
     """A client of ours reads holder A's file ``name`` (half the body) up to its end."""
-    leases.results.put_nowait(
-        WaitResult(Verdict.STREAM, fence=1, stream=StreamInfo(name, None, TOTAL))
-    )
+    leases.results.put_nowait(StreamInfo(name, None, TOTAL))
     first = await fetcher.fetch(miss, None)
     assert isinstance(first, Streaming)
     got = bytearray()
@@ -156,9 +156,7 @@ def test_a_successor_handed_on_while_the_blob_opens_is_concluded_too(
         old = await follow_half(fetcher, miss, leases, name_a)
 
         leases.results.put_nowait(WaitResult(Verdict.TAKEOVER, fence=1))  # A is dead
-        leases.results.put_nowait(
-            WaitResult(Verdict.STREAM, fence=2, stream=StreamInfo(name_b, None, TOTAL))
-        )
+        leases.results.put_nowait(StreamInfo(name_b, None, TOTAL))
         flight = fetcher._flights[("tools", KEY)]
         await until(lambda: old._switch is not None)  # following B, proving it
         leases.results.put_nowait(WaitResult(Verdict.ENTRY, entry=entry))  # B stored it
@@ -220,9 +218,7 @@ def test_a_switch_that_cannot_compare_cuts_with_a_proxy_error_and_hands_the_body
         old = await follow_half(fetcher, miss, leases, name_a)
         os.truncate(blobs.tmp_dir / name_a, 100)  # A's file on the shared volume
         leases.results.put_nowait(WaitResult(Verdict.TAKEOVER, fence=1))
-        leases.results.put_nowait(
-            WaitResult(Verdict.STREAM, fence=2, stream=StreamInfo(name_b, None, TOTAL))
-        )
+        leases.results.put_nowait(StreamInfo(name_b, None, TOTAL))
         try:
             await until(old.concluded)
             with pytest.raises(ProxyError):

@@ -81,7 +81,9 @@ class StreamInfo:
 
 @dataclass(frozen=True, slots=True)
 class LeaseRow:
-    """A lease as the database sees it; ``expired`` is judged by the database's clock."""
+    """A lease as the database sees it; ``expired`` is judged by the database's clock,
+    and so is ``remaining_s``, how long until it expires unless renewed (None: not
+    known, as in a notification)."""
 
     key: str
     holder: str
@@ -89,6 +91,7 @@ class LeaseRow:
     state: str
     expired: bool
     stream: StreamInfo | None = None
+    remaining_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,12 +212,21 @@ class Catalog(Protocol):
     async def get_link(self, repository: str, key: str) -> Link | None: ...
 
     # -- fetch leases (docs/architecture.md, "Fetch leases") -------------------------------
-    async def claim_lease(self, key: str, holder: str, ttl_s: float) -> LeaseGrant | None:
+    async def claim_lease(
+        self,
+        key: str,
+        holder: str,
+        ttl_s: float,
+        unless_fresh: tuple[str, str, int] | None = None,
+    ) -> LeaseGrant | None:
         """One atomic claim: wins if the row is absent, expired, not 'fetching', or ours.
 
         The fence comes from a global sequence, so it grows on every claim (re-entrant
         ones too) and stays monotonic after old rows are purged. Returns None if another
-        holder's live 'fetching' lease stands.
+        holder's live 'fetching' lease stands, or if ``unless_fresh`` = ``(repository,
+        key, now_ms)`` names an entry stored and fresh at ``now_ms`` (a claim that
+        comes after the holder stored it: the caller waits and finds the entry). A
+        claim that loses writes nothing.
         """
         ...
 
@@ -268,10 +280,12 @@ class Catalog(Protocol):
     # -- notifications ------------------------------------------------------------------
     async def listen_leases(
         self,
-        on_notify: Callable[[str], None],
+        on_notify: Callable[[str, LeaseRow | None], None],
         on_listening: Callable[[bool], None] | None = None,
     ) -> None:
-        """Deliver lease transitions (``on_notify(payload)``) until cancelled.
+        """Deliver lease transitions until cancelled: ``on_notify(key, row)``, with the
+        row as the transition left it (``expired`` False, ``remaining_s`` None), or None
+        if the notification did not carry it (then the waiter reads it).
 
         ``on_listening(True)`` once notifications are being received (again, after a
         reconnect), ``on_listening(False)`` when they may be missed: waiters poll at the

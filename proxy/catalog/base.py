@@ -169,9 +169,23 @@ class SqlCatalog:
 
     # -- fetch leases ------------------------------------------------------------------------
 
-    async def claim_lease(self, key: str, holder: str, ttl_s: float) -> LeaseGrant | None:
+    async def claim_lease(
+        self,
+        key: str,
+        holder: str,
+        ttl_s: float,
+        unless_fresh: tuple[str, str, int] | None = None,
+    ) -> LeaseGrant | None:
+        repository, entry_key, now_ms = unless_fresh or (None, None, None)
         row = await self._write_returning(
-            "claim_lease", key, holder, float(ttl_s), prelude=self.CLAIM_PRELUDE
+            "claim_lease",
+            key,
+            holder,
+            float(ttl_s),
+            repository,
+            entry_key,
+            now_ms,
+            prelude=self.CLAIM_PRELUDE,
         )
         return LeaseGrant(key=key, holder=holder, fence=int(row["fence"])) if row else None
 
@@ -211,6 +225,7 @@ class SqlCatalog:
             state=row["state"],
             expired=bool(row["expired"]),
             stream=stream,
+            remaining_s=float(row["remaining_s"]),
         )
 
     async def purge_leases(self, retention_s: float) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ from typing import Any
 
 import asyncpg
 
-from proxy.catalog import migration_files
+from proxy.catalog import LeaseRow, StreamInfo, migration_files
 from proxy.catalog.base import SqlCatalog
 from proxy.catalog.queries import load
 from proxy.catalog.session import DRIVER_ERRORS, SessionConnection, translated
@@ -247,11 +248,34 @@ class PostgresCatalog(SqlCatalog):
 
     async def listen_leases(
         self,
-        on_notify: Callable[[str], None],
+        on_notify: Callable[[str, LeaseRow | None], None],
         on_listening: Callable[[bool], None] | None = None,
     ) -> None:
         """LISTEN on the session connection, kept open (reconnected) until cancelled."""
         if on_listening is not None:
             self.session.watch(on_listening)
-        await self.session.listen(NOTIFY_CHANNEL, on_notify)
+        await self.session.listen(
+            NOTIFY_CHANNEL, lambda payload: on_notify(*lease_notification(payload))
+        )
         await self.session.keep_open()
+
+
+def lease_notification(payload: str) -> tuple[str, LeaseRow | None]:
+    """``(key, row)`` from a notification of the ``fetch_leases_notify`` trigger (a JSON
+    object, migration 0004); an older trigger sent the key alone: ``(key, None)``."""
+    try:
+        fields = json.loads(payload)
+        stream = None
+        if fields["file"] is not None and fields["length"] is not None:
+            stream = StreamInfo(str(fields["file"]), fields["type"], int(fields["length"]))
+        row = LeaseRow(
+            key=str(fields["key"]),
+            holder=str(fields["holder"]),
+            fence=int(fields["fence"]),
+            state=str(fields["state"]),
+            expired=False,
+            stream=stream,
+        )
+    except (ValueError, TypeError, KeyError):
+        return payload, None
+    return row.key, row

@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from proxy.catalog import migration_files
+from proxy.catalog import LeaseRow, migration_files
 from proxy.catalog.base import SqlCatalog
 from proxy.catalog.queries import load
 from proxy.clock import Clock
@@ -173,7 +173,7 @@ class SqliteCatalog(SqlCatalog):
 
     async def listen_leases(
         self,
-        on_notify: Callable[[str], None],
+        on_notify: Callable[[str, LeaseRow | None], None],
         on_listening: Callable[[bool], None] | None = None,
     ) -> None:
         # SQLite has no notifications: waiters poll. Stay parked until cancelled.

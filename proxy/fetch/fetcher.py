@@ -218,36 +218,23 @@ class Fetcher:
             await self._download(miss, stale, flight, held=None)
             return
         took_over = False
-        following: int | None = None  # the fence whose announced file our clients read
         while True:
-            held = await self.leases.claim(miss.repository, miss.key)
+            # The first claim refuses a key stored since our lookup: the wait finds it.
+            held = await self.leases.claim(miss.repository, miss.key, unless_stored=not took_over)
             if held is not None:
                 if took_over:
                     metrics.LEASE_TAKEOVERS.labels(repository=miss.repository).inc()
-                try:
-                    # Another process may have stored it between our lookup and our claim.
-                    entry = await self._find_fresh(miss)
-                except BaseException:
-                    await held.release("released")  # never leave a won lease behind
-                    raise
-                if entry is not None:
-                    await held.release("done")
-                    flight.settle(_served(entry))
-                    return
                 await self._download(miss, stale, flight, held)
                 return
-            if following is None:
-                metrics.LEASE_WAITS.labels(repository=miss.repository).inc()
+            metrics.LEASE_WAITS.labels(repository=miss.repository).inc()
+            # Whatever file the holder announces, our clients read as it grows, while
+            # the wait goes on for the outcome.
             result = await self.leases.wait(
-                miss.repository, miss.key, lambda: self._find_fresh(miss), following
+                miss.repository,
+                miss.key,
+                lambda: self._find_fresh(miss),
+                lambda stream: self._follow(miss, flight, stream),
             )
-            if result.verdict is Verdict.STREAM:
-                # The holder writes a file on the shared volume: our clients read it as it
-                # grows, and we keep waiting for the outcome.
-                following = result.fence
-                assert result.stream is not None
-                await self._follow(miss, flight, result.stream)
-                continue
             if result.verdict is Verdict.ENTRY:
                 entry = result.entry
                 assert entry is not None
@@ -277,7 +264,6 @@ class Fetcher:
             )
             if flight.transfer is not None:
                 flight.transfer.lost()  # our clients wait for the next download
-            following = None
             took_over = True
 
     async def _conclude(self, miss: Miss, flight: _Flight) -> None:

@@ -15,7 +15,10 @@ Safety rules, and why:
   takes over at once instead of after one TTL.
 - Waiting is bounded by the holder's renewals and the lease expiry (judged by the
   database clock), never by a count of polls. Notifications (Postgres LISTEN/NOTIFY)
-  wake waiters early; jittered polling is the truth when one is lost.
+  carry the row: a waiter follows an announced stream and learns the outcome from
+  them. It reads the row only at the lease's renewal pace (ttl/3) while notifications
+  arrive, and when the lease would expire; at ``leases.poll_interval`` while they
+  may be missed (docs/architecture.md, "Waiting on a lease").
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import random
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.catalog import Catalog, Entry, LeaseGrant, LeaseRow, StreamInfo
 from proxy.clock import SYSTEM_CLOCK, Clock
@@ -42,7 +45,8 @@ log = logging.getLogger("proxy.leases")
 
 RELEASE_TIMEOUT_S = 5.0
 RENEW_RETRY_S = 0.5  # after a failed renewal, try again this soon (at most TTL/3)
-POLL_JITTER_MIN = 0.5  # polls sleep between this fraction and all of poll_interval
+POLL_JITTER_MIN = 0.8  # a waiter sleeps between this fraction and all of its pace
+EXPIRY_MARGIN_S = 0.05  # look again this long after the lease would expire
 
 
 def make_holder_id() -> str:
@@ -58,7 +62,6 @@ class Verdict(enum.Enum):
     ENTRY = "entry"  # the holder stored the entry: serve it
     FAILED = "failed"  # the holder's upstream fetch failed: serve stale or fetch ourselves
     TAKEOVER = "takeover"  # released without an entry, or the holder stopped renewing
-    STREAM = "stream"  # the holder announced the file it is writing: serve it as it grows
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,15 @@ class WaitResult:
     verdict: Verdict
     entry: Entry | None = None
     fence: int | None = None
-    stream: StreamInfo | None = None
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One wait on one key: woken by a notification (which leaves the row it carried,
+    or None: look it up) or by a change in whether notifications arrive."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    row: LeaseRow | None = None
 
 
 class HeldLease:
@@ -189,12 +200,27 @@ class LeaseCoordinator:
         self.tasks = tasks
         self.holder = holder
         self._held: set[HeldLease] = set()
-        self._wakeups: dict[str, set[asyncio.Event]] = {}
+        self._waiters: dict[str, set[_Waiter]] = {}
+        # Are lease notifications being received? Set by the catalog's listener; a
+        # backend without notifications never sets it.
+        self.listening = False
 
-    async def claim(self, repository: str, key: str) -> HeldLease | None:
+    async def claim(
+        self, repository: str, key: str, unless_stored: bool = True
+    ) -> HeldLease | None:
+        """Our mandate on the key, or None: another holder's live lease stands, or (with
+        ``unless_stored``) the entry is stored and fresh by its stored expiry, as after
+        a holder stored it since our lookup. The caller waits either way, and the wait
+        finds the entry. A caller that has just found no fresh entry by its own
+        judgment (a wait that ended in a takeover) claims without ``unless_stored``: an
+        entry that the stored expiry calls fresh and the current TTLs do not
+        (``fetch.fetcher.under_current_ttl``) must not keep it from ever claiming."""
         sent_at = self.clock.monotonic()
+        unless_fresh = (repository, key, self.clock.now_ms()) if unless_stored else None
         claiming = asyncio.ensure_future(
-            self.catalog.claim_lease(lease_key(repository, key), self.holder, self.ttl_s)
+            self.catalog.claim_lease(
+                lease_key(repository, key), self.holder, self.ttl_s, unless_fresh=unless_fresh
+            )
         )
         try:
             grant = await asyncio.shield(claiming)
@@ -221,71 +247,98 @@ class LeaseCoordinator:
         repository: str,
         key: str,
         find_entry: Callable[[], Awaitable[Entry | None]],
-        following: int | None = None,
+        on_stream: Callable[[StreamInfo], Awaitable[None]],
     ) -> WaitResult:
-        """Wait, detached from any client, until the holder's outcome is known, or until
-        a holder other than ``following`` (a fence) announces the file it is writing."""
+        """Wait, detached from any client, until the holder's outcome is known. Each
+        file a holder announces is handed to ``on_stream`` once, and the wait goes on:
+        a waiter that follows the holder's stream claims no more."""
         lkey = lease_key(repository, key)
         started = self.clock.monotonic()
         outcome = "error"
+        waiter = _Waiter()
+        self._waiters.setdefault(lkey, set()).add(waiter)
+        following: int | None = None  # the fence whose announced file we gave on
         try:
-            while True:
-                wakeup = asyncio.Event()
-                self._wakeups.setdefault(lkey, set()).add(wakeup)
-                try:
-                    result = await self._look(lkey, find_entry, following)
-                    if result is not None:
-                        outcome = result.verdict.value
-                        return result
-                    delay_s = self.poll_interval_s * random.uniform(POLL_JITTER_MIN, 1.0)
-                    try:
-                        async with asyncio.timeout(delay_s):
-                            await wakeup.wait()
-                    except TimeoutError:
-                        pass
-                finally:
-                    waiters = self._wakeups.get(lkey)
-                    if waiters is not None:
-                        waiters.discard(wakeup)
-                        if not waiters:
-                            del self._wakeups[lkey]
+            row = await self.catalog.get_lease(lkey)
+            seen = -1
+            while row is not None and row.state == "fetching" and not row.expired:
+                seen = max(seen, row.fence)
+                if row.stream is not None and row.fence != following:
+                    following = row.fence
+                    await on_stream(row.stream)
+                row = await self._next(lkey, waiter, row, seen)
+            result = await self._outcome(row, find_entry)
+            outcome = result.verdict.value
+            return result
         finally:
+            waiters = self._waiters.get(lkey)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[lkey]
             metrics.LEASE_WAIT_DURATION.labels(repository=repository, outcome=outcome).observe(
                 self.clock.monotonic() - started
             )
 
-    async def _look(
-        self,
-        lkey: str,
-        find_entry: Callable[[], Awaitable[Entry | None]],
-        following: int | None,
-    ) -> WaitResult | None:
+    async def _next(self, lkey: str, waiter: _Waiter, row: LeaseRow, seen: int) -> LeaseRow | None:
+        """The live lease's next state: as a notification carried it, or read when the
+        pace says to look (or when the lease would expire, if it is not renewed)."""
+        while True:
+            delay_s = self.pace_s() * random.uniform(POLL_JITTER_MIN, 1.0)
+            if row.remaining_s is not None:
+                delay_s = min(delay_s, row.remaining_s + EXPIRY_MARGIN_S)
+            try:
+                async with asyncio.timeout(delay_s):
+                    await waiter.event.wait()
+            except TimeoutError:
+                return await self.catalog.get_lease(lkey)
+            waiter.event.clear()
+            notified, waiter.row = waiter.row, None
+            if notified is None:
+                return await self.catalog.get_lease(lkey)
+            if notified.fence >= seen:
+                return notified
+            # A late notification of an earlier mandate: the row has moved on since.
+
+    async def _outcome(
+        self, row: LeaseRow | None, find_entry: Callable[[], Awaitable[Entry | None]]
+    ) -> WaitResult:
+        """What a lease that is no longer live came to. The entry first: it may be
+        stored whatever the row says (released, expired, purged) and then it is the
+        answer."""
         entry = await find_entry()
         if entry is not None:
             return WaitResult(Verdict.ENTRY, entry=entry)
-        row: LeaseRow | None = await self.catalog.get_lease(lkey)
         if row is None:
             return WaitResult(Verdict.TAKEOVER)
-        if row.state == "fetching":
-            if row.expired:
-                return WaitResult(Verdict.TAKEOVER, fence=row.fence)
-            if row.stream is not None and row.fence != following:
-                return WaitResult(Verdict.STREAM, fence=row.fence, stream=row.stream)
-            return None
         if row.state == "failed":
             return WaitResult(Verdict.FAILED, fence=row.fence)
-        if row.state == "done":
-            # The entry may have landed between our two reads.
-            entry = await find_entry()
-            if entry is not None:
-                return WaitResult(Verdict.ENTRY, entry=entry)
-        return WaitResult(Verdict.TAKEOVER, fence=row.fence)
+        return WaitResult(Verdict.TAKEOVER, fence=row.fence)  # expired, released, done
 
-    def notify(self, lkey: str) -> None:
-        """A lease transition was announced (from LISTEN/NOTIFY): wake its waiters now."""
+    def pace_s(self) -> float:
+        """How long a waiter sleeps between looks at a live lease: the lease's renewal
+        pace while notifications arrive (they tell it of every change but an expiry),
+        ``leases.poll_interval`` while they may be missed."""
+        return self.ttl_s / 3 if self.listening else self.poll_interval_s
+
+    def notify(self, lkey: str, row: LeaseRow | None) -> None:
+        """A lease transition was announced (LISTEN/NOTIFY): wake its waiters now, with
+        the row it carried (None: they read it)."""
         metrics.LEASE_NOTIFICATIONS.inc()
-        for event in self._wakeups.get(lkey, ()):
-            event.set()
+        for waiter in self._waiters.get(lkey, ()):
+            if row is None or waiter.row is None or row.fence >= waiter.row.fence:
+                waiter.row = row
+            waiter.event.set()
+
+    def set_listening(self, listening: bool) -> None:
+        """From the catalog's listener: notifications are being received, or may be
+        missed from now on. Every waiter looks again at once, since one may have been
+        missed in between, and sleeps at its new pace."""
+        self.listening = listening
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                waiter.row = None
+                waiter.event.set()
 
     async def release_all(self) -> None:
         """Clean shutdown: hand every held lease back and wait for the writes."""

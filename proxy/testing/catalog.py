@@ -70,7 +70,7 @@ class MemoryCatalog:
         self._next_row = 0
         self._fence = 0
         self._job_locks: set[str] = set()
-        self._listeners: list[Callable[[str], None]] = []
+        self._listeners: list[Callable[[str, LeaseRow | None], None]] = []
         self._closed = False
 
     async def _enter(self, operation: str) -> None:
@@ -275,7 +275,13 @@ class MemoryCatalog:
 
     # -- fetch leases --------------------------------------------------------------------------
 
-    async def claim_lease(self, key: str, holder: str, ttl_s: float) -> LeaseGrant | None:
+    async def claim_lease(
+        self,
+        key: str,
+        holder: str,
+        ttl_s: float,
+        unless_fresh: tuple[str, str, int] | None = None,
+    ) -> LeaseGrant | None:
         await self._enter("claim_lease")
         now = self._now()
         row = self.leases.get(key)
@@ -286,11 +292,16 @@ class MemoryCatalog:
             and row.expires_at > now
         ):
             return None
+        if unless_fresh is not None:
+            repository, entry_key, at_ms = unless_fresh
+            entry = self.entries.get((repository, entry_key))
+            if entry is not None and entry.is_fresh(at_ms):
+                return None
         self._fence += 1  # a sequence: it grows on every claim and never goes back
         self.leases[key] = _Lease(
             holder, self._fence, "fetching", now, now, now + int(ttl_s * 1000)
         )
-        self._notify(key)
+        self._notify(key, self.leases[key])
         return LeaseGrant(key=key, holder=holder, fence=self._fence)
 
     def _mandate(self, grant: LeaseGrant) -> _Lease | None:
@@ -320,7 +331,7 @@ class MemoryCatalog:
             return False
         row.state = state
         row.expires_at = max(self._now(), row.acquired_at)
-        self._notify(grant.key)
+        self._notify(grant.key, row)
         return True
 
     async def announce_stream(self, grant: LeaseGrant, stream: StreamInfo) -> bool:
@@ -329,7 +340,7 @@ class MemoryCatalog:
         if row is None:
             return False
         row.stream = stream
-        self._notify(grant.key)
+        self._notify(grant.key, row)
         return True
 
     async def get_lease(self, key: str) -> LeaseRow | None:
@@ -338,7 +349,8 @@ class MemoryCatalog:
         if row is None:
             return None
         expired = row.expires_at <= self._now()
-        return LeaseRow(key, row.holder, row.fence, row.state, expired, row.stream)
+        remaining_s = max(row.expires_at - self._now(), 0) / 1000
+        return LeaseRow(key, row.holder, row.fence, row.state, expired, row.stream, remaining_s)
 
     async def purge_leases(self, retention_s: float) -> int:
         await self._enter("purge_leases")
@@ -348,17 +360,18 @@ class MemoryCatalog:
             del self.leases[key]
         return len(old)
 
-    def _notify(self, key: str) -> None:
+    def _notify(self, key: str, row: _Lease) -> None:
+        notified = LeaseRow(key, row.holder, row.fence, row.state, False, row.stream)
         for listener in list(self._listeners):
-            listener(key)
+            listener(key, notified)
 
     async def listen_leases(
         self,
-        on_notify: Callable[[str], None],
+        on_notify: Callable[[str, LeaseRow | None], None],
         on_listening: Callable[[bool], None] | None = None,
     ) -> None:
-        """Every change of a lease's state, fence or stream, delivered at once (as
-        Postgres' NOTIFY does, and never lost), until cancelled."""
+        """Every change of a lease's state, fence or stream, delivered at once with the
+        row (as Postgres' NOTIFY does, and never lost), until cancelled."""
         self._listeners.append(on_notify)
         if on_listening is not None:
             on_listening(True)

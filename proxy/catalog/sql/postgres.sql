@@ -146,20 +146,40 @@ ON CONFLICT (repository, key) DO UPDATE SET
 SELECT repository, key, url, digests::text, size FROM links WHERE repository = $1 AND key = $2
 
 -- name: claim_lease
--- ($1 key, $2 holder, $3 ttl seconds). Wins if the row is absent, expired, not
--- 'fetching', or ours; the fence comes from a sequence, so it grows on every claim and
--- stays monotonic after purges. acquired_at and expires_at come from the proposed row,
--- evaluated before any wait for the row lock, so a claim that waited cannot break the CHECK.
-INSERT INTO fetch_leases AS l (key, holder, fence, state, acquired_at, renewed_at, expires_at)
-VALUES ($1, $2, nextval('fetch_lease_fence'), 'fetching',
-        clock_timestamp(), clock_timestamp(), clock_timestamp() + make_interval(secs => $3))
-ON CONFLICT (key) DO UPDATE SET
-    holder = EXCLUDED.holder, fence = EXCLUDED.fence, state = 'fetching',
-    acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
-    expires_at = EXCLUDED.expires_at,
-    stream_file = NULL, stream_type = NULL, stream_length = NULL
-WHERE l.holder = EXCLUDED.holder OR l.state <> 'fetching' OR l.expires_at <= clock_timestamp()
-RETURNING fence
+-- ($1 key, $2 holder, $3 ttl seconds, $4 repository, $5 entry key, $6 now ms). Wins if the
+-- row is absent, expired, not 'fetching', or ours, unless ($4 given) the entry ($4, $5)
+-- is stored and fresh at $6: a claim that comes after the holder stored it gets nothing,
+-- and the waiter finds the entry. A claim that loses writes nothing (no row lock, no
+-- transaction ID): the UPDATE matches no row, and the INSERT is not tried while a row
+-- exists (ON CONFLICT covers the race of two first claims). All of it reads one
+-- snapshot, so a release seen is preceded by the entry it stored. The fence comes from
+-- a sequence: it grows on every claim and stays monotonic after purges.
+WITH fresh AS (
+    SELECT EXISTS (
+        SELECT 1 FROM entries
+        WHERE $4::text IS NOT NULL AND repository = $4 AND key = $5
+          AND (expires_at_ms IS NULL OR expires_at_ms > $6::bigint)
+    ) AS stored
+), taken AS (
+    UPDATE fetch_leases AS l
+    SET holder = $2, fence = nextval('fetch_lease_fence'), state = 'fetching',
+        acquired_at = clock_timestamp(), renewed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + make_interval(secs => $3),
+        stream_file = NULL, stream_type = NULL, stream_length = NULL
+    FROM fresh
+    WHERE l.key = $1 AND NOT fresh.stored
+      AND (l.holder = $2 OR l.state <> 'fetching' OR l.expires_at <= clock_timestamp())
+    RETURNING l.fence
+), inserted AS (
+    INSERT INTO fetch_leases (key, holder, fence, state, acquired_at, renewed_at, expires_at)
+    SELECT $1, $2, nextval('fetch_lease_fence'), 'fetching',
+           clock_timestamp(), clock_timestamp(), clock_timestamp() + make_interval(secs => $3)
+    FROM fresh
+    WHERE NOT fresh.stored AND NOT EXISTS (SELECT 1 FROM fetch_leases WHERE key = $1)
+    ON CONFLICT (key) DO NOTHING
+    RETURNING fence
+)
+SELECT fence FROM taken UNION ALL SELECT fence FROM inserted
 
 -- name: renew_lease
 -- ($1 key, $2 holder, $3 fence, $4 ttl seconds): only our own live mandate.
@@ -179,8 +199,10 @@ UPDATE fetch_leases SET stream_file = $4, stream_type = $5, stream_length = $6
 WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
 
 -- name: select_lease
+-- remaining_s: seconds until the lease expires unless renewed (0 once expired).
 SELECT key, holder, fence, state, expires_at <= clock_timestamp() AS expired,
-       stream_file, stream_type, stream_length
+       stream_file, stream_type, stream_length,
+       greatest(extract(epoch FROM expires_at - clock_timestamp()), 0)::float8 AS remaining_s
 FROM fetch_leases WHERE key = $1
 
 -- name: purge_leases

@@ -143,10 +143,17 @@ INSERT INTO lease_fences DEFAULT VALUES
 DELETE FROM lease_fences WHERE id < (SELECT max(id) FROM lease_fences)
 
 -- name: claim_lease
--- (?1 key, ?2 holder, ?3 ttl seconds); the fence is the one next_fence just allocated.
+-- (?1 key, ?2 holder, ?3 ttl seconds, ?4 repository, ?5 entry key, ?6 now ms); the fence
+-- is the one next_fence just allocated. Refused while the entry (?4, ?5) is stored and
+-- fresh at ?6 (?4 given), as in postgres.sql; the write lock makes all of it one step.
 INSERT INTO fetch_leases (key, holder, fence, state, acquired_at, renewed_at, expires_at)
-VALUES (?1, ?2, (SELECT max(id) FROM lease_fences), 'fetching',
-        clock_ms(), clock_ms(), clock_ms() + CAST(?3 * 1000 AS INTEGER))
+SELECT ?1, ?2, (SELECT max(id) FROM lease_fences), 'fetching',
+       clock_ms(), clock_ms(), clock_ms() + CAST(?3 * 1000 AS INTEGER)
+WHERE NOT EXISTS (
+    SELECT 1 FROM entries
+    WHERE ?4 IS NOT NULL AND repository = ?4 AND key = ?5
+      AND (expires_at_ms IS NULL OR expires_at_ms > ?6)
+)
 ON CONFLICT (key) DO UPDATE SET
     holder = excluded.holder, fence = excluded.fence, state = 'fetching',
     acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at,
@@ -174,8 +181,10 @@ UPDATE fetch_leases SET stream_file = ?4, stream_type = ?5, stream_length = ?6
 WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
 
 -- name: select_lease
+-- remaining_s: seconds until the lease expires unless renewed (0 once expired).
 SELECT key, holder, fence, state, expires_at <= clock_ms() AS expired,
-       stream_file, stream_type, stream_length
+       stream_file, stream_type, stream_length,
+       max(expires_at - clock_ms(), 0) / 1000.0 AS remaining_s
 FROM fetch_leases WHERE key = ?1
 
 -- name: purge_leases
