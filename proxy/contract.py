@@ -46,6 +46,7 @@ from proxy.config.settings import RepositorySettings
 from proxy.exceptions import (
     BadRequest,
     ClientError,
+    ContentMismatch,
     DigestMismatch,
     FetchError,
     Forbidden,
@@ -68,6 +69,7 @@ from proxy.exceptions import (
 from proxy.http.paths import base_url, decode_path, decode_segment
 from proxy.types import (
     KNOWN_DIGESTS,
+    Content,
     Digests,
     Kind,
     Link,
@@ -90,7 +92,7 @@ NOT_FOUND_STATUSES = (404, 410)
 BASE_URL_MARK = "\x00"
 # Keys the engine gives every repository of a proxying format (``Proxying``); a format's
 # own options must not use them.
-ENGINE_REPOSITORY_KEYS = ("upstream", "allow_hosts", "retention")
+ENGINE_REPOSITORY_KEYS = ("upstream", "allow_hosts", "retention", "max_file_size")
 
 __all__ = [
     "BASE_URL_MARK",
@@ -102,6 +104,8 @@ __all__ = [
     "BadRequest",
     "Choice",
     "ClientError",
+    "Content",
+    "ContentMismatch",
     "DigestMismatch",
     "Digests",
     "Duration",
@@ -406,6 +410,9 @@ class FetchSpec:
     # in per request (no byte ranges then: offsets differ by client). Such a body is
     # never streamed while it downloads: its marks are not filled in yet.
     base_url_marks: bool = False
+    # What the body must look like when no digest the index or the upstream gave
+    # verified it (a jar is a zip archive, never a login page): checked before storing.
+    content: Content = Content.NOT_HTML
 
     def __post_init__(self) -> None:
         if self.base_url_marks and self.stream:

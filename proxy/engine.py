@@ -199,7 +199,7 @@ class Repositories:
     ) -> None:
         responses = FormatResponses(repo.name)
         if plugin.proxying is not None:
-            view = ProxiedView(cache, repo.name, repo.format, upstream, cpu)
+            view = ProxiedView(cache, repo.name, repo.format, upstream, cpu, repo.max_file_size)
             context = ProxyContext(
                 cache=view, upstream=upstream, compute=cpu.run, responses=responses
             )

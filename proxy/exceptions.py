@@ -28,7 +28,9 @@
         │   │   └── UpstreamBusy     503 + Retry-After: it answered 429 or 503
         │   │       └── UpstreamDown   it failed in a row: not asked for a while
         │   ├── AddressRefused       502: it sent us to an internal address
-        │   └── DigestMismatch       502: bytes do not match the listed digest
+        │   ├── DigestMismatch       502: bytes do not match the listed digest
+        │   └── ContentMismatch      502: bytes are not what the key holds (a login
+        │                            page instead of a jar), and nothing verified them
         ├── RetryLater         503 + Retry-After: a limit of ours (parsers or memory
         │                      budget busy, an upstream host's slots full) or a step
         │                      not done yet (stored but not recorded)
@@ -197,6 +199,11 @@ class AddressRefused(UpstreamError):
 
 class DigestMismatch(UpstreamError):
     pass
+
+
+class ContentMismatch(UpstreamError):
+    """The body fails the content check of its kind (``types.Content``) and no digest
+    verified it: an HTML login or error page where a jar, a wheel or metadata belongs."""
 
 
 class RetryLater(FetchError):

@@ -35,6 +35,46 @@ class Kind(enum.StrEnum):
     HOSTED = "hosted"  # written by clients (a hosted repository's uploads)
 
 
+class Content(enum.StrEnum):
+    """What a body must look like to be stored when no digest the index or the upstream
+    gave verified it (docs/architecture.md, "Content checks before storing"). A format
+    names it per key; the engine checks it on the downloaded file before anyone gets
+    the last byte."""
+
+    ZIP = "zip"  # wheels, jars, wars: a zip archive
+    GZIP = "gzip"  # .tar.gz, .tgz: a gzip stream
+    ARCHIVE = "archive"  # an sdist or a tarball: gzip, bzip2, xz or zstd, or a zip archive
+    XML = "xml"  # maven-metadata.xml, a pom: well-formed XML whose root is not <html>
+    JSON = "json"  # a JSON document
+    TEXT = "text"  # UTF-8 text that is not an HTML page (a signature, a checksum)
+    NOT_HTML = "not-html"  # anything but an HTML page (a login or error page)
+    ANY = "any"  # no check: the format parsed and rendered the body itself, or it may be HTML
+
+    @classmethod
+    def of_filename(cls, name: str) -> Content:
+        """The check a file's name calls for, by its extension (``NOT_HTML`` when the
+        name says nothing; ``ANY`` for an HTML file)."""
+        lower = name.lower()
+        for suffixes, content in _CONTENT_BY_SUFFIX:
+            if lower.endswith(suffixes):
+                return content
+        return cls.NOT_HTML
+
+
+_CONTENT_BY_SUFFIX: tuple[tuple[tuple[str, ...], Content], ...] = (
+    ((".tar.gz", ".tgz"), Content.GZIP),
+    ((".tar.bz2", ".tar.xz", ".tar.zst", ".tbz2", ".txz"), Content.ARCHIVE),
+    (
+        (".whl", ".zip", ".jar", ".war", ".ear", ".aar", ".egg", ".nupkg", ".apk", ".hpi"),
+        Content.ZIP,
+    ),
+    ((".pom", ".xml"), Content.XML),
+    ((".json", ".module"), Content.JSON),
+    ((".asc", ".sha1", ".sha256", ".sha512", ".md5", ".txt"), Content.TEXT),
+    ((".html", ".htm", ".xhtml"), Content.ANY),
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Link:
     """A file an index listed (a PyPI project page, an npm packument): the only URLs a

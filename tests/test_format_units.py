@@ -5,6 +5,7 @@ test_maven.py...) check the same behaviour with real clients and real servers.""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,8 @@ INDEX = "https://upstream.example/simple/"
 M2 = "https://upstream.example/m2/"
 MIRROR = "https://mirror.example/m2/"
 FILES = "https://upstream.example/files/"
+
+TOOL = gzip.compress(b"tool", mtime=0)  # a .tar.gz must be gzip data to be stored
 
 
 @asynccontextmanager
@@ -284,12 +287,12 @@ metadata_ttl = "1m"
 async def test_raw_paths_are_quoted_and_immutable_unless_mutable(tmp_path: Path) -> None:
     clock = ManualClock()
     files: dict[str, bytes | MockResponse] = {
-        FILES + "v1/tool%201+2.tar.gz": b"tool",  # "+" is a pchar: kept as is
+        FILES + "v1/tool%201+2.tar.gz": TOOL,  # "+" is a pchar: kept as is
         FILES + "v1/latest/tool.json": MockResponse(200, b"{}", {"etag": '"1"'}),
     }
     async with proxy(tmp_path, static_upstream(files), RAW, clock) as p:
         tarball = await p.client.get("/raw/v1/tool%201%2B2.tar.gz")
-        assert tarball.content == b"tool" and tarball.headers["content-type"] == "application/gzip"
+        assert tarball.content == TOOL and tarball.headers["content-type"] == "application/gzip"
         assert tarball.headers["cache-control"] == "public, max-age=31536000, immutable"
         latest = await p.client.get("/raw/v1/latest/tool.json")
         assert latest.headers["cache-control"] == "public, max-age=60"

@@ -8,6 +8,7 @@ or the fake upstream of tests/upstream.py, and bounds every wait.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import json
 import time
@@ -27,7 +28,11 @@ from proxy.upstream.client import BUDGET_BYTES_PER_BODY_BYTE, ByteBudget, Upstre
 from tests import hostile
 from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.hostile import HostileUpstream, head
-from tests.upstream import FakeUpstream, ProjectFile, ServerThread, start_upstream
+from tests.upstream import FakeUpstream, ProjectFile, ServerThread, start_upstream, zip_bytes
+
+# What a loopback service holds, listed as an sdist (so gzip data: stored only if it
+# looks like one); the refusal tests check that its text never comes back.
+SECRET = gzip.compress(b"internal secret", mtime=0)
 
 FAST_FAIL = """
     [upstream]
@@ -371,7 +376,7 @@ def test_many_concurrent_index_misses_on_sqlite(
 def internal() -> Iterator[FakeUpstream]:
     """A service on loopback that no upstream-listed URL may reach."""
     fake = FakeUpstream()
-    fake.files["/secret"] = b"internal secret"
+    fake.files["/secret"] = SECRET
     server = start_upstream(fake)
     yield fake
     fake.released.set()
@@ -443,7 +448,7 @@ def test_allow_hosts_opens_the_way_without_forwarding_credentials(
     _listing(upstream, "inside", f"http://user:pw@127.0.0.1:{port}/secret")
     httpx.get(proxy.url + "/pypi/simple/inside/")
     response = httpx.get(proxy.url + "/pypi/files/inside/inside-1.0.tar.gz")
-    assert response.status_code == 200 and response.content == b"internal secret"
+    assert response.status_code == 200 and response.content == SECRET
     [(_method, _path, headers)] = [r for r in internal.request_headers if r[1] == "/secret"]
     assert "authorization" not in headers
 
@@ -483,7 +488,7 @@ def test_a_checksum_that_failed_stores_nothing_until_it_can_be_verified(
 def test_checksum_policy_require_refuses_unverified_artifacts(
     tmp_path: Path, start_proxy: ProxyFactory, upstream: FakeUpstream
 ) -> None:
-    upstream.files[JAR] = b"no checksum anywhere"
+    upstream.files[JAR] = zip_bytes(b"no checksum anywhere")
     proxy = proxy_for(
         tmp_path, start_proxy, maven_repo(upstream.base_url, 'checksum_policy = "require"')
     )
@@ -494,7 +499,7 @@ def test_checksum_policy_require_refuses_unverified_artifacts(
 def test_checksum_policy_warn_stores_an_artifact_no_upstream_checksums(
     tmp_path: Path, start_proxy: ProxyFactory, upstream: FakeUpstream
 ) -> None:
-    upstream.files[JAR] = b"no checksum anywhere"
+    upstream.files[JAR] = zip_bytes(b"no checksum anywhere")
     proxy = proxy_for(tmp_path, start_proxy, maven_repo(upstream.base_url))
     assert httpx.get(proxy.url + "/maven" + JAR).status_code == 200
     assert httpx.get(proxy.url + "/maven" + JAR).status_code == 200

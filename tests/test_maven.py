@@ -18,7 +18,7 @@ from proxy.formats.maven import parse_checksum, parse_path
 from proxy.types import Kind
 from tests.conftest import ProxyFactory, write_config
 from tests.rawhttp import raw_get
-from tests.upstream import FakeUpstream, ServerThread, start_upstream
+from tests.upstream import FakeUpstream, ServerThread, start_upstream, zip_bytes
 
 JAR = "/org/example/lib/1.0/lib-1.0.jar"
 POM = "/org/example/lib/1.0/lib-1.0.pom"
@@ -442,13 +442,13 @@ def test_snapshot_files_use_the_snapshot_ttl(
     clock = ManualClock()
     proxy = start_proxy(load(write_config(tmp_path, config), {}), clock)
     snapshot = "/org/example/lib/1.0-SNAPSHOT/lib-1.0-SNAPSHOT.jar"
-    publish(upstream, snapshot, b"v1")
+    publish(upstream, snapshot, zip_bytes(b"v1"))
     publish(upstream, METADATA, b"<metadata/>")
-    assert httpx.get(proxy.url + "/maven" + snapshot).content == b"v1"
+    assert httpx.get(proxy.url + "/maven" + snapshot).content == zip_bytes(b"v1")
     httpx.get(proxy.url + "/maven" + METADATA)
-    publish(upstream, snapshot, b"v2")
+    publish(upstream, snapshot, zip_bytes(b"v2"))
     clock.advance(61)  # past snapshot_ttl (1m), well within metadata_ttl (30m)
-    assert httpx.get(proxy.url + "/maven" + snapshot).content == b"v2"
+    assert httpx.get(proxy.url + "/maven" + snapshot).content == zip_bytes(b"v2")
     httpx.get(proxy.url + "/maven" + METADATA)
     assert upstream.count(METADATA) == 1  # release metadata keeps its 30m TTL
 

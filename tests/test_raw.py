@@ -5,6 +5,7 @@ other formats."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import os
 import shutil
@@ -59,7 +60,7 @@ def test_a_release_file_is_fetched_once_and_served_with_http_semantics(
     raw_proxy: tuple[ServerThread, ManualClock], upstream: FakeUpstream
 ) -> None:
     proxy, clock = raw_proxy
-    body = os.urandom(300_000)
+    body = gzip.compress(os.urandom(300_000), mtime=0)  # a .tar.gz: gzip data
     upstream.files[TARBALL] = body
     url = proxy.url + "/tools/v1.2/tool-1.2.tar.gz"
     first = httpx.get(url)
@@ -174,7 +175,7 @@ def test_curl_and_pip_install_a_tarball(
 def test_two_replicas_fetch_a_raw_file_once(
     tmp_path: Path, upstream: FakeUpstream, pg_url: str
 ) -> None:
-    body = os.urandom(4 * 1024 * 1024)
+    body = gzip.compress(os.urandom(4 * 1024 * 1024), mtime=0)
     upstream.files[TARBALL] = body
     upstream.fault(TARBALL, chunk_size=256 * 1024, chunk_delay_s=0.1)
     config = write_config(

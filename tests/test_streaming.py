@@ -30,8 +30,8 @@ from tests.upstream import FakeUpstream, ProjectFile
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 MiB = 1024 * 1024
-PATH = "/releases/tool-1.0.tar.gz"
-KEY = "tools/tool-1.0.tar.gz"
+PATH = "/releases/tool-1.0.bin"
+KEY = "tools/tool-1.0.bin"
 
 
 TOOLS = """
@@ -107,7 +107,7 @@ async def holder_then_waiters(
     pg_url: str,
     clients_per_waiter: int,
     meanwhile: Callable[[], Awaitable[None]] | None = None,
-    url: str = "/tools/tool-1.0.tar.gz",
+    url: str = "/tools/tool-1.0.bin",
     key: str = KEY,
 ) -> list[Pulled]:
     """One client on the holder; once it holds the lease, ``clients_per_waiter`` on each
@@ -201,7 +201,7 @@ def test_a_changed_body_cuts_the_clients_instead_of_splicing(
     # A client that comes now (the new download is still running: the cut came with its
     # first bytes) reads the new body whole, from that same download.
     for waiter in waiters:
-        fresh = httpx.get(waiter.url + "/tools/tool-1.0.tar.gz", timeout=60)
+        fresh = httpx.get(waiter.url + "/tools/tool-1.0.bin", timeout=60)
         assert fresh.status_code == 200 and fresh.content == second_body
     assert upstream.count(PATH) == 2
     log = "".join(w.log() for w in waiters)
@@ -294,7 +294,7 @@ def test_a_takeover_download_that_never_streams_still_ends_the_followers_clients
             assert r.status == 0 and r.length < len(body), "cut: the body is gone upstream"
         else:
             assert (r.status, r.sha256, r.length) == (200, expected, len(body))
-    later = httpx.get(waiters[0].url + "/tools/tool-1.0.tar.gz", timeout=30)
+    later = httpx.get(waiters[0].url + "/tools/tool-1.0.bin", timeout=30)
     assert later.status_code == (404 if takeover == "404" else 200)
     time.sleep(1)  # the responses' cleanup
     assert [open_temp_files(w) for w in waiters] == [[], []]
@@ -330,7 +330,7 @@ def test_a_claim_won_after_the_holder_stored_it_finishes_the_followers_clients(
     async def scenario() -> list[Pulled]:
         await slow_claims_for_the_waiter()
         started_at = time.monotonic()
-        url = "/tools/tool-1.0.tar.gz"
+        url = "/tools/tool-1.0.bin"
         holding = asyncio.create_task(pull(holder.url + url, started_at))
         await asyncio.sleep(0.75)
         waiting = [asyncio.create_task(pull(waiter.url + url, started_at)) for _ in range(2)]
@@ -393,7 +393,7 @@ def test_forged_announcements_are_never_served(
 
     async def scenario() -> list[Pulled]:
         started_at = time.monotonic()
-        url = "/tools/tool-1.0.tar.gz"
+        url = "/tools/tool-1.0.bin"
         holding = asyncio.create_task(pull(holder.url + url, started_at))
         await forge()
         waiting = [asyncio.create_task(pull(waiter.url + url, started_at)) for _ in range(2)]
@@ -411,6 +411,6 @@ def test_forged_announcements_are_never_served(
             r.status == 0 and r.length < len(body)
         ), r
         assert not r.prefix.startswith(b"SECRET")
-    later = httpx.get(waiter.url + "/tools/tool-1.0.tar.gz", timeout=30)
+    later = httpx.get(waiter.url + "/tools/tool-1.0.bin", timeout=30)
     assert later.status_code == 200 and later.content == body
     assert "event loop was blocked" not in waiter.log()

@@ -30,7 +30,7 @@ from proxy.runtime.tasks import TaskSupervisor
 from proxy.storage.blobs import BlobStore
 from proxy.types import Kind
 
-KEY = "tool-1.0.tar.gz"
+KEY = "tool-1.0.bin"
 TOTAL = 64 * 1024
 
 

@@ -54,6 +54,7 @@ class ProjectFile:
     yanked: bool | str = False
     metadata: bytes | None = None  # the PEP 658 sidecar, if advertised
     listed_sha256: str | None = None  # override the hash the index lists
+    unhashed: bool = False  # listed with no hash at all (nothing verifies its bytes)
 
     @property
     def sha256(self) -> str:
@@ -232,7 +233,7 @@ class FakeUpstream:
                     item: dict[str, Any] = {
                         "filename": f.filename,
                         "url": prefix + quote(f.filename),
-                        "hashes": {"sha256": f.sha256},
+                        "hashes": {} if f.unhashed else {"sha256": f.sha256},
                         "size": len(f.body),
                     }
                     if f.requires_python:
@@ -252,7 +253,8 @@ class FakeUpstream:
             else:
                 anchors = []
                 for f in files:
-                    href = html.escape(f"{prefix}{quote(f.filename)}#sha256={f.sha256}")
+                    fragment = "" if f.unhashed else f"#sha256={f.sha256}"
+                    href = html.escape(f"{prefix}{quote(f.filename)}{fragment}")
                     attrs = f'href="{href}"'
                     if f.requires_python:
                         attrs += f' data-requires-python="{html.escape(f.requires_python)}"'
@@ -351,6 +353,15 @@ def start_upstream(upstream: FakeUpstream) -> ServerThread:
 
 
 # -- building wheels ------------------------------------------------------------------
+
+
+def zip_bytes(payload: bytes, name: str = "payload.txt") -> bytes:
+    """A small valid zip archive holding ``payload``: what a jar or a wheel looks like to
+    the proxy's content check (docs/architecture.md, "Content checks before storing")."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(name, payload)
+    return buffer.getvalue()
 
 
 def make_wheel(

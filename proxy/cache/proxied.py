@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from proxy.cache import Cache
 from proxy.catalog import Catalog, Entry
+from proxy.config.settings import DEFAULT_MAX_FILE_SIZE
 from proxy.contract import (
     FetchSpec,
     OriginContext,
@@ -59,11 +60,18 @@ class ProxiedView:
     """``contract.ProxyCache`` for one repository."""
 
     def __init__(
-        self, cache: Cache, name: str, format_name: str, upstream: UpstreamClient, cpu: CpuPool
+        self,
+        cache: Cache,
+        name: str,
+        format_name: str,
+        upstream: UpstreamClient,
+        cpu: CpuPool,
+        max_file_size: int = DEFAULT_MAX_FILE_SIZE,
     ) -> None:
         self.cache = cache
         self.name = name
         self.format = format_name
+        self.max_file_size = max_file_size
         self.links = CatalogLinks(cache.catalog, name)
         self.origin_context = OriginContext(
             upstream=upstream, links=self.links, get=self.warm, compute=cpu.run
@@ -99,7 +107,7 @@ class ProxiedView:
         return await self._fetch(spec, stale)
 
     async def _fetch(self, spec: FetchSpec, stale: Entry | None) -> Outcome:
-        miss = Miss(self.name, self.format, spec, self.origin_context)
+        miss = Miss(self.name, self.format, spec, self.origin_context, self.max_file_size)
         return await self.cache.fetcher.fetch(miss, stale)
 
     async def _refetch(self, spec: FetchSpec, entry: Entry) -> Outcome:

@@ -48,6 +48,7 @@ from proxy.config.settings import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOW_WATERMARK,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_FILE_SIZE,
     DEFAULT_MIN_FREE,
     DEFAULT_MIN_RATE,
     DEFAULT_MIN_RATE_WINDOW_S,
@@ -494,10 +495,12 @@ class _Parser:
         upstreams: tuple[str, ...] = ()
         allow_hosts: tuple[str, ...] = ()
         retention_s = None
+        max_file_size = DEFAULT_MAX_FILE_SIZE
         if is_proxy:
             upstreams = self.upstreams(raw, name, plugin)
             allow_hosts = self.value(raw, where, "allow_hosts", Hosts(), ())
             retention_s = self.value(raw, where, "retention", RETENTION)
+            max_file_size = self.value(raw, where, "max_file_size", Size(), DEFAULT_MAX_FILE_SIZE)
         if len(self.errors) > errors_before:
             return None
         options = plugin.options(**values)
@@ -511,6 +514,7 @@ class _Parser:
             upstreams=upstreams,
             allow_hosts=allow_hosts,
             retention_s=retention_s,
+            max_file_size=max_file_size,
         )
 
     def upstreams(

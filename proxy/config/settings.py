@@ -17,6 +17,9 @@ from proxy.config.options import Hosts, Percent, Urls, options_of, toml_string
 from proxy.redaction import redact
 from proxy.units import format_duration, format_size
 
+# The largest body a proxying repository stores unless it sets max_file_size (the
+# largest wheels and images are a few GB; nothing legitimate comes near this).
+DEFAULT_MAX_FILE_SIZE = 20 * 10**9
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_STORAGE_PATH = "./data"
 DEFAULT_WORKERS = 1
@@ -66,6 +69,8 @@ class RepositorySettings(Generic[OptionsT]):
     # Internal hosts this repository's upstream-listed URLs may reach (SSRF policy).
     allow_hosts: tuple[str, ...] = ()
     retention_s: float | None = None  # entries not accessed for this long go (None: kept)
+    # No body larger than this is stored (or passed on) for the repository.
+    max_file_size: int = DEFAULT_MAX_FILE_SIZE
 
     @property
     def upstream_setting(self) -> str:
@@ -268,6 +273,8 @@ class Settings:
                 lines.append(f"allow_hosts = {Hosts().render(repo.allow_hosts)}")
             if repo.retention_s is not None:
                 lines.append(f'retention = "{format_duration(repo.retention_s)}"')
+            if repo.proxies:
+                lines.append(f'max_file_size = "{format_size(repo.max_file_size)}"')
         for mirror in self.mirrors:
             lines += [
                 "",

@@ -16,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from proxy.cache.index import EntryIndex
 from proxy.catalog import Catalog, Entry, StreamInfo
 from proxy.clock import Clock
+from proxy.config.settings import DEFAULT_MAX_FILE_SIZE
 from proxy.contract import Fetched, FetchSpec, OriginContext, Status
 from proxy.exceptions import (
     CatalogError,
+    ContentMismatch,
     DigestMismatch,
     FetchError,
     ProxyError,
@@ -33,11 +36,15 @@ from proxy.exceptions import (
     UpstreamError,
     UpstreamUnavailable,
 )
+from proxy.fetch.content import HEAD_BYTES as CONTENT_HEAD_BYTES
+from proxy.fetch.content import head_problem
+from proxy.fetch.content import problem as content_problem
 from proxy.fetch.download import Download
 from proxy.fetch.leases import HeldLease, LeaseCoordinator, Verdict
 from proxy.fetch.transfer import LocalFile, SharedFile, Source, Transfer
 from proxy.redaction import redact
 from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
 from proxy.runtime.tasks import TaskSupervisor
 from proxy.storage.blobs import BlobStore, storage_error
 from proxy.types import KNOWN_DIGESTS, Kind, Validators
@@ -73,6 +80,7 @@ class Miss:
     format: str
     spec: FetchSpec
     context: OriginContext
+    max_size: int = DEFAULT_MAX_FILE_SIZE  # repositories.<name>.max_file_size
 
     @property
     def key(self) -> str:
@@ -376,6 +384,8 @@ class Fetcher:
                 state = "failed"
                 if isinstance(exc, DigestMismatch):
                     metrics.DIGEST_MISMATCHES.labels(repository=miss.repository).inc()
+                elif isinstance(exc, ContentMismatch):
+                    metrics.CONTENT_REFUSED.labels(repository=miss.repository).inc()
                 log.warning(
                     "fetch failed repository=%s key=%s error=%s", miss.repository, spec.key, exc
                 )
@@ -450,9 +460,18 @@ class Fetcher:
 
         temp.on_progress = progressed
         try:
-            async for chunk in fetched.body:
+            if fetched.length is not None and fetched.length > miss.max_size:
+                raise _too_large(miss, fetched.length)
+            body = fetched.body
+            if not expected and fetched.expected_later is None:
+                # Nothing can verify these bytes: their first ones must already look
+                # right, before any reaches a client (a clean 502, not a cut transfer).
+                body = await _head_checked(body, spec)
+            async for chunk in body:
                 await temp.write(chunk)
                 upstream_bytes.inc(len(chunk))
+                if temp.size > miss.max_size:
+                    raise _too_large(miss, temp.size)
             await temp.flush()
             if fetched.length is not None and temp.size != fetched.length:
                 raise UpstreamUnavailable(
@@ -468,6 +487,12 @@ class Fetcher:
                         f"{spec.key}: upstream bytes have {name} {computed[name]}, "
                         f"the upstream lists {value}; nothing was stored"
                     )
+            if not any(name in computed for name in expected):
+                # Nothing verified these bytes: they must look like what the key holds
+                # (docs/architecture.md, "Content checks before storing").
+                why = await run_blocking(content_problem, str(temp.path), spec.content)
+                if why is not None:
+                    raise _refused(spec, why)
             download.verify()  # the last byte may go out now, before our fsync
             sha256 = await self.blobs.publish(temp)
             flight.published = (self.blobs.path_str(sha256), temp.size)
@@ -514,6 +539,42 @@ class Fetcher:
         if flight.transfer is not None:
             await flight.transfer.stored(self.blobs.path_str(sha256), temp.size, entry)
         flight.settle(Stored(entry))
+
+
+async def _head_checked(body: AsyncIterator[bytes], spec: FetchSpec) -> AsyncIterator[bytes]:
+    """``body`` again, once its first ``HEAD_BYTES`` (or all of it, if shorter) pass the
+    head of ``spec.content``'s check; ``ContentMismatch`` if they do not."""
+    head: list[bytes] = []
+    size = 0
+    async for chunk in body:
+        head.append(chunk)
+        size += len(chunk)
+        if size >= CONTENT_HEAD_BYTES:
+            break
+    why = head_problem(b"".join(head)[:CONTENT_HEAD_BYTES], spec.content)
+    if why is not None:
+        raise ContentMismatch(
+            f"{spec.key}: refused what the upstream sent: {why}; nothing was stored"
+        )
+
+    async def rest() -> AsyncIterator[bytes]:
+        for chunk in head:
+            yield chunk
+        async for chunk in body:
+            yield chunk
+
+    return rest()
+
+
+def _refused(spec: FetchSpec, why: str) -> ContentMismatch:
+    return ContentMismatch(f"{spec.key}: refused what the upstream sent: {why}; nothing was stored")
+
+
+def _too_large(miss: Miss, size: int) -> UpstreamUnavailable:
+    return UpstreamUnavailable(
+        f"{miss.key}: the upstream's body is {size} bytes, over repositories."
+        f"{miss.repository}.max_file_size ({miss.max_size} bytes); nothing was stored"
+    )
 
 
 def _is_plain_name(name: str) -> bool:

@@ -27,6 +27,8 @@ from proxy.contract import (
     NOT_FOUND_STATUSES,
     BadRequest,
     Choice,
+    Content,
+    ContentMismatch,
     Digests,
     Duration,
     Fetched,
@@ -201,6 +203,9 @@ class MavenRepository:
             ttl_s=ttl_s,
             negative_ttl_s=self.options.negative_ttl_s,
             digests=ALL_DIGESTS,
+            # A jar is a zip, a pom and maven-metadata.xml are XML: never a login page,
+            # even when the upstream publishes no checksum to verify them with.
+            content=Content.of_filename(maven_path.path),
         )
 
     async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
@@ -322,13 +327,16 @@ class MavenOrigin:
         The checksum files ride on the slot the ``artifact``'s transfer holds (``beside``):
         they are read while its body arrives, and must not wait for a slot it may hold.
 
-        A sidecar that is missing (404) or garbled counts as absent (old repositories
-        carry some wrong .md5 files beside good .sha1 files). If none is usable: when
-        one of them could not be read at all (5xx, timeout), nothing is stored, so a
-        later request can still verify the file; when all are absent, the file is
-        stored unverified (and logged), unless the policy requires a checksum.
+        The strongest usable one wins, so a garbled .md5 beside a good .sha1 (old
+        repositories carry some) does no harm. If none is usable: when one of them could
+        not be read at all (5xx, timeout), or answered 200 with something that is not a
+        checksum (a login or error page: the artifact is then most likely one too),
+        nothing is stored, so a later request can still verify the file; when all are
+        absent (404), the file is stored unverified (logged, and only if it passes its
+        content check), unless the policy requires a checksum.
         """
         failures: list[str] = []
+        garbled: list[str] = []
 
         async def one(extension: str, algorithm: str) -> str | None:
             url = base + self.path + extension
@@ -345,7 +353,7 @@ class MavenOrigin:
                 return None
             value = parse_checksum(body, algorithm)
             if value is None:
-                log.warning("checksum %s is not a %s checksum file; ignored", url, algorithm)
+                garbled.append(url)
             return value
 
         algorithms = list(CHECKSUM_EXTENSIONS.items())
@@ -354,7 +362,14 @@ class MavenOrigin:
         for algorithm in CHECKSUM_STRENGTH:
             value = by_algorithm.get(algorithm)
             if value is not None:
+                if garbled:
+                    log.warning("ignored checksum files that are not checksums: %s", garbled)
                 return {algorithm: value}
+        if garbled:
+            raise ContentMismatch(
+                f"{self.path}: {', '.join(garbled)} answered with something that is not a "
+                "checksum (an HTML page?), and no other checksum is usable; nothing was stored"
+            )
         if failures:
             raise UpstreamUnavailable(
                 f"{self.path}: its checksum files could not be read ({'; '.join(failures)}); "

@@ -34,6 +34,7 @@ from proxy.contract import (
     KNOWN_DIGESTS,
     NOT_FOUND_STATUSES,
     BadRequest,
+    Content,
     Digests,
     Duration,
     Fetched,
@@ -243,6 +244,7 @@ class NpmRepository:
             negative_ttl_s=self.options.negative_ttl_s,
             stream=False,
             base_url_marks=True,
+            content=Content.ANY,  # parsed and rendered here: what is stored is ours
         )
 
     async def _packument(self, request: Request, package: PackageName) -> Response:
@@ -280,6 +282,7 @@ class NpmRepository:
             kind=Kind.IMMUTABLE,
             origin=TarballOrigin(key, lambda: self.packument_spec(package, "full")),
             negative_ttl_s=self.options.negative_ttl_s,
+            content=Content.GZIP,  # checked only if the packument gave no integrity
         )
 
     async def _tarball(self, request: Request, package: PackageName, filename: str) -> Response:

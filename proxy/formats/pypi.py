@@ -25,6 +25,7 @@ from packaging.version import InvalidVersion, Version
 from proxy.contract import (
     NOT_FOUND_STATUSES,
     BadRequest,
+    Content,
     Duration,
     Fetched,
     FetchError,
@@ -132,6 +133,7 @@ class PypiRepository:
             ttl_s=self.options.metadata_ttl_s,
             negative_ttl_s=self.options.negative_ttl_s,
             stream=False,
+            content=Content.ANY,  # parsed and rendered here: what is stored is ours
         )
 
     # -- files -----------------------------------------------------------------------
@@ -150,6 +152,7 @@ class PypiRepository:
             kind=Kind.IMMUTABLE,
             origin=FileOrigin(key, lambda: self.index_spec(project, "json")),
             negative_ttl_s=self.options.negative_ttl_s,
+            content=Content.of_filename(filename),  # for a file listed without a hash
         )
 
     # -- mirrors ---------------------------------------------------------------------

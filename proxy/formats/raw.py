@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 from proxy.contract import (
     NOT_FOUND_STATUSES,
+    Content,
     Duration,
     Fetched,
     FetchSpec,
@@ -81,6 +82,7 @@ class RawRepository:
             origin=RawOrigin(url, path),
             ttl_s=self.options.metadata_ttl_s if mutable else None,
             negative_ttl_s=self.options.negative_ttl_s,
+            content=Content.of_filename(path),  # nothing verifies a raw file but its kind
         )
         return await self.cache.respond(spec, request)
 

@@ -92,6 +92,11 @@ COALESCED_WAITERS = Counter(
     "Requests that joined a fetch already running in the same process",
     ["repository"],
 )
+CONTENT_REFUSED = Counter(
+    "proxy_content_refused_total",
+    "Unverified upstream bodies refused by their content check (an HTML page for a jar...)",
+    ["repository"],
+)
 DIGEST_MISMATCHES = Counter(
     "proxy_digest_mismatches_total",
     "Upstream bodies refused because they did not match their listed digest",
