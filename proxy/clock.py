@@ -49,5 +49,10 @@ class ManualClock:
         self._now_ms += round(seconds * 1000)
         self._monotonic += seconds
 
+    def step_wall(self, seconds: float) -> None:
+        """The wall clock jumps (either way), as an operator or NTP may make it; the
+        monotonic clock does not move."""
+        self._now_ms += round(seconds * 1000)
+
 
 SYSTEM_CLOCK = SystemClock()

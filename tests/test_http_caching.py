@@ -104,3 +104,29 @@ def test_a_changed_metadata_ttl_governs_stored_pages_at_once(
     refreshed = httpx.get(second.url + "/pypi/simple/alpha/")
     assert upstream.count("/simple/alpha/") == 2  # expired under the new TTL: refetched
     assert refreshed.headers["cache-control"] == "public, max-age=3"
+
+
+def test_a_wall_clock_that_steps_back_never_stretches_freshness(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    # Issue 18: the clock stepping back a day made a 10-minute page answer
+    # max-age=86998, and kept it fresh for that long.
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
+    config = pypi_config(tmp_path / "data", upstream.base_url)
+    clock = ManualClock()
+    proxy = start_proxy(load(write_config(tmp_path, config), {}), clock)
+    url = proxy.url + "/pypi/simple/alpha/"
+    assert httpx.get(url).headers["cache-control"] == "public, max-age=600"
+    asked = upstream.count("/simple/alpha/")
+    clock.step_wall(-30)  # NTP's small corrections (and replicas' skew) change nothing
+    small = httpx.get(url)
+    assert small.headers["cache-control"] == "public, max-age=600"
+    assert upstream.count("/simple/alpha/") == asked
+    clock.step_wall(-86400)  # a day back: judged stale, asked again, the TTL as it is
+    stepped = httpx.get(url)
+    assert stepped.status_code == 200 and upstream.count("/simple/alpha/") == asked + 1
+    max_age = int(stepped.headers["cache-control"].rsplit("=", 1)[1])
+    assert max_age <= 600
+    clock.step_wall(86400 + 300)  # and forward again: still never more than the TTL
+    later = httpx.get(url)
+    assert int(later.headers["cache-control"].rsplit("=", 1)[1]) <= 600

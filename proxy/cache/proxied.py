@@ -184,7 +184,9 @@ class ProxiedView:
                 if base_url is not None:
                     raise RetryLater(f"{spec.key}: stored but not recorded; retry")
             now_ms = self.cache.clock.now_ms()
-            policy = responses.cache_control(spec.kind, spec.expires_at_ms(now_ms), now_ms)
+            expires_at_ms = spec.expires_at_ms(now_ms)
+            max_age_s = None if expires_at_ms is None else (expires_at_ms - now_ms) // 1000
+            policy = responses.cache_control(spec.kind, max_age_s)
             return responses.downloading(request.method, outcome.transfer, extra, self.name, policy)
         if isinstance(outcome, Inline):
             body = outcome.body

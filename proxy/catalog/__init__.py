@@ -24,6 +24,11 @@ from proxy.types import Digests, Kind, Link, LinkBatch
 LEASE_STATES = ("fetching", "done", "failed", "released")
 
 
+# Replicas' wall clocks differ a little (NTP keeps them within milliseconds): an entry
+# another replica fetched may seem to come from up to this far in the future.
+CLOCK_STEP_TOLERANCE_MS = 60_000
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """A cached thing: ``(repository, key)`` -> blob and what we know about it."""
@@ -42,7 +47,21 @@ class Entry:
     last_access_ms: int = 0
 
     def is_fresh(self, at_ms: int) -> bool:
-        return self.expires_at_ms is None or at_ms < self.expires_at_ms
+        """Fresh at ``at_ms``. An entry that expires and seems fetched in the future
+        (more than ``CLOCK_STEP_TOLERANCE_MS`` ahead: the wall clock stepped back) is
+        judged stale, so a clock that jumps asks the upstream again instead of keeping a
+        page fresh for however far it went back (docs/architecture.md, "Time")."""
+        if self.expires_at_ms is None:
+            return True
+        return self.fetched_at_ms - CLOCK_STEP_TOLERANCE_MS <= at_ms < self.expires_at_ms
+
+    def max_age_s(self, at_ms: int) -> int:
+        """What is left of the entry's freshness, for Cache-Control: never more than
+        its whole TTL, whatever the wall clock says now."""
+        if self.expires_at_ms is None:
+            return 0
+        left_ms = min(self.expires_at_ms - at_ms, self.expires_at_ms - self.fetched_at_ms)
+        return max(0, left_ms // 1000)
 
     def refreshed(
         self,

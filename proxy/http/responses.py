@@ -220,11 +220,12 @@ REVALIDATE = b"no-cache"
 NEVER_STORE = b"no-store"
 
 
-def cache_control(kind: Kind, expires_at_ms: int | None, now_ms: int) -> bytes:
+def cache_control(kind: Kind, max_age_s: int | None) -> bytes:
+    """``max_age_s``: what is left of a metadata answer's TTL (``Entry.max_age_s``)."""
     if kind is Kind.IMMUTABLE:
         return IMMUTABLE_CACHE_CONTROL
-    if kind is Kind.METADATA and expires_at_ms is not None:
-        return b"public, max-age=%d" % max(0, (expires_at_ms - now_ms) // 1000)
+    if kind is Kind.METADATA and max_age_s is not None:
+        return b"public, max-age=%d" % max_age_s
     return NEVER_STORE  # hosted (build-cache uploads), or anything else
 
 
@@ -302,7 +303,7 @@ async def blob(
         last_modified = http_date(entry.fetched_at_ms)
     headers = _base_headers(entry.content_type, extra)
     if "cache-control" not in extra:
-        headers.append((b"cache-control", cache_control(entry.kind, entry.expires_at_ms, now_ms)))
+        headers.append((b"cache-control", cache_control(entry.kind, entry.max_age_s(now_ms))))
     headers.append((b"etag", etag.encode()))
     headers.append((b"last-modified", last_modified.encode("latin-1")))
     headers.append((b"accept-ranges", b"bytes"))
@@ -398,7 +399,7 @@ async def relocated_blob(
         last_modified = http_date(entry.fetched_at_ms)
     headers = _base_headers(entry.content_type, extra)
     if "cache-control" not in extra:
-        headers.append((b"cache-control", cache_control(entry.kind, entry.expires_at_ms, now_ms)))
+        headers.append((b"cache-control", cache_control(entry.kind, entry.max_age_s(now_ms))))
     headers.append((b"etag", etag.encode()))
     headers.append((b"last-modified", last_modified.encode("latin-1")))
     if_none_match = request_headers.get("if-none-match")
