@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 # What each command reads: a ${VAR} in a section it never reads may stay unset.
 _STORE = frozenset({"database", "storage"})
+MIRROR_RUNS_SHOWN = 10  # by `proxy jobs`
 NEEDS: dict[str, tuple[frozenset[str] | None, str]] = {
     "serve": (None, "all"),
     "check-config": (None, "all"),
@@ -362,6 +363,7 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
             return 2
     # With --json the output is one document at the end; progress stays off the screen.
     progress = MirrorProgress(sys.stderr if args.json else sys.stdout, sys.stdout.isatty())
+    run_ids: list[int] = []
     try:
         async with open_engine(settings, SYSTEM_CLOCK) as engine:
             unsupported = engine.mirrors.unsupported(args.purls, args.repository)
@@ -372,7 +374,11 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
             # Fetch leases like any replica: a key a serving replica is fetching is shared.
             engine.start_background(scheduler=False)
             for name, purls, sbom_path, versions, repository in runs:
-                await engine.mirrors.run(name, purls, sbom_path, versions, repository, progress)
+                # Recorded where `proxy jobs`, the console and the API show runs.
+                run_id, _state, _summary = await engine.mirrors.record(
+                    name, "cli", purls, sbom_path, versions, repository, progress
+                )
+                run_ids.append(run_id)
     except CatalogError as exc:
         print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
@@ -380,9 +386,9 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
         progress.finish()
     s = progress.summary
     if args.json:
-        print(json.dumps(s.as_dict(), indent=2))
+        print(json.dumps({**s.as_dict(), "runs": run_ids}, indent=2))
     else:
-        print(f"mirrored: {s.line()}")
+        print(f"mirrored: {s.line()} (mirror run {', '.join(map(str, run_ids))})")
     return 1 if s.failed or s.missing or s.skipped else 0
 
 
@@ -400,6 +406,7 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
         async with open_engine(settings, SYSTEM_CLOCK) as engine:
             scheduled = {job.name: job.interval_s for job in engine.jobs()}
             runs, now_ms = await engine.catalog.job_runs()
+            mirror_runs = await engine.catalog.mirror_runs(MIRROR_RUNS_SHOWN)
     except CatalogError as exc:
         print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
@@ -430,6 +437,20 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
                         }
                         for name, interval_s, run, started, due_ms in found
                     ],
+                    "mirror_runs": [
+                        {
+                            "id": m.id,
+                            "name": m.name,
+                            "origin": m.origin,
+                            "state": m.state,
+                            "holder": m.holder,
+                            "started_ms": m.started_at_ms,
+                            "finished_ms": m.finished_at_ms,
+                            **m.counts,
+                            "error": m.error,
+                        }
+                        for m in mirror_runs
+                    ],
                 },
                 indent=2,
             )
@@ -454,6 +475,24 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
             )
         )
     _print_table(("job", "interval", "last start", "last outcome", "next due", "holder"), rows)
+    if mirror_runs:
+        print()
+        _print_table(
+            ("mirror run", "name", "origin", "started", "state", "items", "holder"),
+            [
+                (
+                    str(m.id),
+                    m.name,
+                    m.origin,
+                    f"{_when(m.started_at_ms)} ({_ago(now_ms - m.started_at_ms)} ago)",
+                    m.state,
+                    f"{m.counts['fetched']} fetched, {m.counts['cached']} cached, "
+                    f"{m.counts['failed'] + m.counts['missing']} failed",
+                    m.holder,
+                )
+                for m in mirror_runs
+            ],
+        )
     return 0
 
 

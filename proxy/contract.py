@@ -138,6 +138,8 @@ __all__ = [
     "Origin",
     "OriginContext",
     "PackageRef",
+    "PackageVersion",
+    "Packages",
     "ParseFailed",
     "PayloadTooLarge",
     "ProxyCache",
@@ -557,6 +559,26 @@ class Mirroring(Generic[AdapterT]):
 
 
 @dataclass(frozen=True)
+class PackageVersion:
+    """Which package (and version) a key belongs to, as the format names them: e.g.
+    ``requests`` / ``2.32.3`` for ``files/requests/requests-2.32.3.tar.gz``, or
+    ``org.slf4j:slf4j-api`` / None for its ``maven-metadata.xml``."""
+
+    package: str
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class Packages:
+    """The format knows which package each stored key belongs to (docs/architecture.md,
+    "Operating: console, API and logs"): its repositories are browsed, searched and
+    purged by package. ``of(key)`` is a pure function of the key, called when an entry
+    is stored (None: the key belongs to no package, e.g. a root index page)."""
+
+    of: Callable[[str], PackageVersion | None]
+
+
+@dataclass(frozen=True)
 class FormatPlugin(Generic[OptionsT, AdapterT]):
     """A format, as the registry knows it: its settings and what it provides.
 
@@ -570,6 +592,7 @@ class FormatPlugin(Generic[OptionsT, AdapterT]):
     proxying: Proxying[OptionsT, AdapterT] | None = None
     hosting: Hosting[OptionsT, AdapterT] | None = None
     mirroring: Mirroring[AdapterT] | None = None
+    packages: Packages | None = None  # browsing and purging by package
     # Served when the config has no [[repositories]] at all (None: not served by default).
     default_repository: Mapping[str, Any] | None = None
     # Checks across options: (key, message) pairs, key relative to the repository.

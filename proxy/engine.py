@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +27,18 @@ from proxy.cache.proxied import ProxiedView
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import Clock
 from proxy.config.settings import RepositorySettings, Settings
-from proxy.contract import Adapter, FormatPlugin, HostedContext, ProxyContext, UpstreamClient
+from proxy.contract import (
+    Adapter,
+    FormatPlugin,
+    HostedContext,
+    PackageVersion,
+    ProxyContext,
+    UpstreamClient,
+)
 from proxy.exceptions import CatalogError, InvalidPlugin
 from proxy.fetch.fetcher import Fetcher
 from proxy.fetch.leases import LeaseCoordinator, make_holder_id
+from proxy.fleet import Counted, Heartbeat
 from proxy.http.responses import FormatResponses, HotBlobs
 from proxy.jobs import Job, Scheduler, standard_jobs
 from proxy.mirror.runner import Mirrors, MirrorSource
@@ -62,6 +70,11 @@ class Engine:
     not_configured: dict[str, str]
     mirrors: Mirrors
     upstreams: UpstreamPool  # the httpx client, host slots and circuits of every repository
+    # Each repository's hit and miss counters (for the heartbeat), and the formats'
+    # package_of of the repositories grouped by package (browsing, purges).
+    views: dict[str, Counted] = field(default_factory=dict)
+    package_of: dict[str, Callable[[str], PackageVersion | None]] = field(default_factory=dict)
+    started_at_ms: int = 0
     _stopping: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def start_background(self, scheduler: bool = True) -> None:
@@ -81,6 +94,26 @@ class Engine:
             jobs.start()
             period_s = self.settings.jobs.evict_interval_s
             self.tasks.spawn("storage-gauges", _measure_storage_forever(self.cache, period_s))
+            self.tasks.spawn("heartbeat", self.heartbeat().run_forever())
+
+    def upstream_health(self) -> dict[str, Any]:
+        """Per upstream host: answers, failures, the last error, and its circuit."""
+        health = self.upstreams.health.snapshot()
+        for host, circuit in self.upstreams.circuits.items():
+            health.setdefault(host, {})["circuit"] = circuit.state.name.lower().replace("_", "-")
+        return health
+
+    def heartbeat(self) -> Heartbeat:
+        """This replica's row in ``replicas`` (proxy/fleet.py)."""
+        return Heartbeat(
+            self.catalog,
+            self.holder,
+            self.settings.base_url,
+            self.started_at_ms,
+            self.views,
+            self.upstream_health,
+            self.cache.index,
+        )
 
     def jobs(self) -> list[Job]:
         """Every job and schedule this configuration runs (docs/architecture.md, "Jobs")."""
@@ -146,7 +179,14 @@ async def open_engine(
                 built.add(repo, formats.plugin(repo.format), cache, upstream, cpu, settings.host)
             if settings.storage.max_size is not None:
                 metrics.STORAGE_MAX_BYTES.set(settings.storage.max_size)
-            mirrors = Mirrors(built.mirror_sources, built.not_configured)
+            mirrors = Mirrors(
+                built.mirror_sources,
+                built.not_configured,
+                catalog,
+                holder,
+                tasks.spawn,
+                lambda: tasks.closing,
+            )
             engine = Engine(
                 settings,
                 clock,
@@ -161,6 +201,9 @@ async def open_engine(
                 built.not_configured,
                 mirrors,
                 pool,
+                views=built.views,
+                package_of=built.package_of,
+                started_at_ms=clock.now_ms(),
             )
             try:
                 yield engine
@@ -187,6 +230,8 @@ class Repositories:
     # Proxying repositories without an upstream -> the 503 message naming the setting.
     not_configured: dict[str, str] = field(default_factory=dict)
     mirror_sources: dict[str, MirrorSource] = field(default_factory=dict)  # in config order
+    views: dict[str, Counted] = field(default_factory=dict)
+    package_of: dict[str, Callable[[str], PackageVersion | None]] = field(default_factory=dict)
 
     def add(
         self,
@@ -198,8 +243,14 @@ class Repositories:
         listen_host: str,
     ) -> None:
         responses = FormatResponses(repo.name)
+        package_of = plugin.packages.of if plugin.packages is not None else None
+        if package_of is not None:
+            self.package_of[repo.name] = package_of
         if plugin.proxying is not None:
-            view = ProxiedView(cache, repo.name, repo.format, upstream, cpu, repo.max_file_size)
+            view = ProxiedView(
+                cache, repo.name, repo.format, upstream, cpu, repo.max_file_size, package_of
+            )
+            self.views[repo.name] = view
             context = ProxyContext(
                 cache=view, upstream=upstream, compute=cpu.run, responses=responses
             )
@@ -223,6 +274,7 @@ class Repositories:
                 )
         elif plugin.hosting is not None:
             hosted = HostedView(cache, repo.name, repo.format)
+            self.views[repo.name] = hosted
             built = plugin.hosting.build(repo, HostedContext(store=hosted, responses=responses))
             self.adapters[repo.name] = CountedUploads(built, repo.name)
             if plugin.hosting.max_size is not None:

@@ -395,5 +395,10 @@ def test_proxy_mirror_with_an_sbom_and_proxy_jobs(tmp_path: Path, upstream: Fake
         "due",
         "holder",
     ]
-    assert [line.split()[0] for line in lines[1:]] == ["reclaim", "evict", "mirror:nightly"]
-    assert all("never" in line and "now" in line for line in lines[1:])
+    jobs = lines[1 : lines.index("")]
+    assert [line.split()[0] for line in jobs] == ["reclaim", "evict", "mirror:nightly"]
+    assert all("never" in line and "now" in line for line in jobs)
+    # The manual run above is recorded where `proxy jobs` shows it.
+    runs = lines[lines.index("") + 1 :]
+    assert runs[0].split()[:3] == ["mirror", "run", "name"]
+    assert runs[1].split()[1:3] == ["cli", "cli"] and " failed " in runs[1]

@@ -215,7 +215,7 @@ async def test_postgres_lease_times_use_clock_timestamp(pg_url: str) -> None:
                 "SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM fetch_leases WHERE key = 'k'"
             )
             assert remaining > 1.0
-            renewed = await conn.execute(pg_sql["renew_lease"], "k", "a", fence, 1.5)
+            renewed = await conn.execute(pg_sql["renew_lease"], "k", "a", fence, 1.5, None, None)
             assert renewed == "UPDATE 1"
             await conn.execute(pg_sql["release_lease"], "k", "a", fence, "done")
             expired_lag = await conn.fetchval(

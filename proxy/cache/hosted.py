@@ -34,6 +34,10 @@ class HostedView:
         self.cache = cache
         self.name = name
         self.format = format_name
+        # Reads since this process started (the heartbeat carries them); uploads are
+        # no misses.
+        self.hits = 0
+        self.misses = 0
 
     async def store(
         self, key: str, body: AsyncIterator[bytes], max_size: int, content_type: str | None
@@ -74,6 +78,7 @@ class HostedView:
             # Only a read is a use; a HEAD probe must not keep an entry from eviction.
             self.cache.access.record(self.name, key)
         metrics.CACHE_HITS.labels(self.name, self.format, Kind.HOSTED.value).inc()
+        self.hits += 1
         note_outcome("hit")
         try:
             return await self.cache.render_entry(entry, request, {"content-type": content_type})

@@ -44,6 +44,14 @@ class EntryIndex:
     def drop(self, repository: str, key: str) -> None:
         self._entries.pop((repository, key), None)
 
+    def drop_repository(self, repository: str) -> int:
+        """Forget every entry of ``repository`` (after a purge elsewhere in the fleet:
+        the next request looks in the catalog again); how many."""
+        gone = [ident for ident in self._entries if ident[0] == repository]
+        for ident in gone:
+            del self._entries[ident]
+        return len(gone)
+
 
 class AccessLog:
     """Last-access times noted on the hit path and flushed to the catalog in batches."""

@@ -18,6 +18,7 @@ from proxy.config.settings import DEFAULT_MAX_FILE_SIZE
 from proxy.contract import (
     FetchSpec,
     OriginContext,
+    PackageVersion,
     Request,
     Response,
     UpstreamClient,
@@ -67,11 +68,17 @@ class ProxiedView:
         upstream: UpstreamClient,
         cpu: CpuPool,
         max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+        package_of: Callable[[str], PackageVersion | None] | None = None,
     ) -> None:
         self.cache = cache
         self.name = name
         self.format = format_name
         self.max_file_size = max_file_size
+        self.package_of = package_of
+        # Since this process started; every replica's heartbeat carries them, and the
+        # console sums them over the fleet (proxy/fleet.py).
+        self.hits = 0
+        self.misses = 0
         self.links = CatalogLinks(cache.catalog, name)
         self.origin_context = OriginContext(
             upstream=upstream, links=self.links, get=self.warm, compute=cpu.run
@@ -95,6 +102,7 @@ class ProxiedView:
             note_outcome("negative")
             return Missing(f"{spec.key} not found upstream (cached)")
         metrics.CACHE_HITS.labels(self.name, self.format, entry.kind.value).inc()
+        self.hits += 1
         note_outcome("hit")
         self.cache.access.record(self.name, spec.key)
         return Stored(entry)
@@ -102,12 +110,15 @@ class ProxiedView:
     async def _miss(self, spec: FetchSpec, entry: Entry | None) -> Outcome:
         """Fetch a key with no fresh entry (``entry``: the expired one, if any)."""
         metrics.CACHE_MISSES.labels(self.name, self.format, spec.kind.value).inc()
+        self.misses += 1
         note_outcome("miss")
         stale = entry if entry is not None and entry.kind is Kind.METADATA else None
         return await self._fetch(spec, stale)
 
     async def _fetch(self, spec: FetchSpec, stale: Entry | None) -> Outcome:
-        miss = Miss(self.name, self.format, spec, self.origin_context, self.max_file_size)
+        miss = Miss(
+            self.name, self.format, spec, self.origin_context, self.max_file_size, self.package_of
+        )
         return await self.cache.fetcher.fetch(miss, stale)
 
     async def _refetch(self, spec: FetchSpec, entry: Entry) -> Outcome:

@@ -45,6 +45,11 @@ class Entry:
     last_modified: str | None = None
     digests: Digests = field(default_factory=dict)  # every digest we computed, incl. sha256
     last_access_ms: int = 0
+    # Which package and version the format says the key belongs to (browsing, purges),
+    # and the upstream URL the body came from; None when unknown.
+    package: str | None = None
+    version: str | None = None
+    upstream_url: str | None = None
 
     def is_fresh(self, at_ms: int) -> bool:
         """Fresh at ``at_ms``. An entry that expires and seems fetched in the future
@@ -151,6 +156,97 @@ class JobRun:
     holder: str
 
 
+@dataclass(frozen=True, slots=True)
+class EntrySummary:
+    """An entry as browsing lists it."""
+
+    key: str
+    kind: Kind
+    size: int
+    package: str | None
+    version: str | None
+    fetched_at_ms: int
+    last_access_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PackageSummary:
+    package: str
+    entries: int
+    versions: int
+    bytes: int
+    last_access_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A replica's heartbeat row; ``now_ms`` is the database's clock when it was read."""
+
+    holder: str
+    host: str
+    pid: int
+    url: str
+    version: str
+    started_at_ms: int
+    seen_at_ms: int
+    stats: dict[str, Any]
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A download under a live lease, as its holder last reported it."""
+
+    key: str  # the lease key: repository/key
+    holder: str
+    fence: int
+    acquired_at_ms: int
+    renewed_at_ms: int
+    written: int | None  # bytes on disk at the last renewal
+    length: int | None  # the announced length, once known
+    waiters: int | None  # requests sharing it on the holder
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobFailure:
+    name: str
+    run_id: int
+    holder: str
+    at_ms: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Purge:
+    id: int
+    repository: str
+    package: str | None
+    key: str | None
+
+
+MIRROR_COUNTS = ("planned", "fetched", "cached", "missing", "failed", "skipped", "bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorRun:
+    """A mirror run as ``mirror_runs`` records it (times: the database's Unix ms)."""
+
+    id: int
+    name: str
+    origin: str  # schedule | cli | api
+    holder: str
+    request: dict[str, Any]
+    state: str  # running | ok | failed | cancelled
+    cancel_requested: bool
+    counts: dict[str, int]  # MIRROR_COUNTS
+    started_at_ms: int
+    updated_at_ms: int
+    finished_at_ms: int | None
+    error: str | None
+    now_ms: int
+
+
 class Catalog(Protocol):
     """Storage-independent operations on entries, links, fetch leases and job locks.
 
@@ -249,8 +345,15 @@ class Catalog(Protocol):
         """
         ...
 
-    async def renew_lease(self, grant: LeaseGrant, ttl_s: float) -> bool:
-        """Extend our mandate; False if the row no longer carries our holder+fence+'fetching'."""
+    async def renew_lease(
+        self,
+        grant: LeaseGrant,
+        ttl_s: float,
+        written: int | None = None,
+        waiters: int | None = None,
+    ) -> bool:
+        """Extend our mandate; False if the row no longer carries our holder+fence+'fetching'.
+        ``written`` and ``waiters`` (when given) report the download's progress with it."""
         ...
 
     async def release_lease(self, grant: LeaseGrant, state: str) -> bool:
@@ -296,6 +399,78 @@ class Catalog(Protocol):
         """Every job's last run, and the database's clock now (Unix ms)."""
         ...
 
+    # -- browsing and purging (docs/architecture.md, "Operating: console, API and logs") --
+    async def browse_entries(
+        self, repository: str, after_key: str, limit: int
+    ) -> list[EntrySummary]:
+        """A keyset page of a repository's entries in key order, after ``after_key``."""
+        ...
+
+    async def search_entries(
+        self, repository: str, prefix: str, after: tuple[str, str], limit: int
+    ) -> list[EntrySummary]:
+        """A keyset page of the entries of packages named ``prefix``..., by (package,
+        key), after ``after``."""
+        ...
+
+    async def list_packages(
+        self, repository: str, prefix: str, after: str, limit: int
+    ) -> list[PackageSummary]: ...
+
+    async def package_entries(
+        self, repository: str, package: str, limit: int
+    ) -> list[EntrySummary]: ...
+
+    async def delete_package(self, repository: str, package: str) -> list[Removed]:
+        """Delete every entry of ``package`` (negative ones too) and record the purge."""
+        ...
+
+    async def purge_entry(self, repository: str, key: str) -> bool:
+        """Delete one entry, whatever its blob, and record the purge."""
+        ...
+
+    async def purges_after(self, purge_id: int) -> list[Purge]: ...
+
+    # -- the fleet ---------------------------------------------------------------------
+    async def heartbeat(self, replica: Replica) -> int:
+        """Record that ``replica`` is alive (and its counters); the newest purge id."""
+        ...
+
+    async def replicas(self) -> list[Replica]: ...
+
+    async def in_flight(self, limit: int) -> list[InFlight]: ...
+
+    async def forget_fleet_history(self, retention_s: float) -> int:
+        """Delete replicas not seen, purges and finished mirror runs older than this."""
+        ...
+
+    # -- job failures and mirror runs --------------------------------------------------
+    async def record_job_failure(self, name: str, run_id: int, holder: str, reason: str) -> None:
+        """Keep the reason; only the latest ``JOB_FAILURES_KEPT`` are kept."""
+        ...
+
+    async def job_failures(self, limit: int) -> list[JobFailure]: ...
+
+    async def create_mirror_run(
+        self, name: str, origin: str, holder: str, request: dict[str, Any]
+    ) -> int: ...
+
+    async def update_mirror_run(self, run_id: int, counts: dict[str, int]) -> bool:
+        """Write progress; True if a cancellation was asked for."""
+        ...
+
+    async def finish_mirror_run(
+        self, run_id: int, state: str, counts: dict[str, int], error: str | None
+    ) -> None: ...
+
+    async def cancel_mirror_run(self, run_id: int) -> bool:
+        """Ask the replica running it to stop; False if it is not running."""
+        ...
+
+    async def mirror_run(self, run_id: int) -> MirrorRun | None: ...
+
+    async def mirror_runs(self, limit: int) -> list[MirrorRun]: ...
+
     # -- notifications ------------------------------------------------------------------
     async def listen_leases(
         self,
@@ -316,7 +491,7 @@ class Catalog(Protocol):
 # Rows are read by column name (sqlite3.Row, asyncpg.Record), so a statement may select
 # more or in another order; an upsert's parameters come in this order: repository, key,
 # kind, sha256, size, content_type, etag, last_modified, digests (JSON text),
-# fetched_at_ms, expires_at_ms, last_access_ms.
+# fetched_at_ms, expires_at_ms, last_access_ms, package, version, upstream_url.
 
 
 def entry_from_row(row: Any) -> Entry:
@@ -333,6 +508,9 @@ def entry_from_row(row: Any) -> Entry:
         fetched_at_ms=row["fetched_at_ms"],
         expires_at_ms=row["expires_at_ms"],
         last_access_ms=row["last_access_ms"],
+        package=row["package"],
+        version=row["version"],
+        upstream_url=row["upstream_url"],
     )
 
 
@@ -350,6 +528,9 @@ def entry_to_row(entry: Entry) -> tuple[Any, ...]:
         entry.fetched_at_ms,
         entry.expires_at_ms,
         entry.last_access_ms or entry.fetched_at_ms,
+        entry.package,
+        entry.version,
+        entry.upstream_url,
     )
 
 

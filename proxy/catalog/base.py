@@ -14,11 +14,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from proxy.catalog import (
+    MIRROR_COUNTS,
     Entry,
+    EntrySummary,
+    InFlight,
+    JobFailure,
     JobRun,
     LeaseGrant,
     LeaseRow,
+    MirrorRun,
+    PackageSummary,
+    Purge,
     Removed,
+    Replica,
     StorageUsage,
     StreamInfo,
     Usage,
@@ -28,7 +36,9 @@ from proxy.catalog import (
 from proxy.catalog.queries import Queries
 from proxy.clock import Clock
 from proxy.runtime.blocking import run_blocking
-from proxy.types import Link, LinkBatch
+from proxy.types import Kind, Link, LinkBatch
+
+JOB_FAILURES_KEPT = 100
 
 
 class SqlCatalog:
@@ -189,9 +199,15 @@ class SqlCatalog:
         )
         return LeaseGrant(key=key, holder=holder, fence=int(row["fence"])) if row else None
 
-    async def renew_lease(self, grant: LeaseGrant, ttl_s: float) -> bool:
+    async def renew_lease(
+        self,
+        grant: LeaseGrant,
+        ttl_s: float,
+        written: int | None = None,
+        waiters: int | None = None,
+    ) -> bool:
         touched = await self._execute(
-            "renew_lease", grant.key, grant.holder, grant.fence, float(ttl_s)
+            "renew_lease", grant.key, grant.holder, grant.fence, float(ttl_s), written, waiters
         )
         return touched == 1
 
@@ -261,8 +277,216 @@ class SqlCatalog:
         ]
         return runs, int(rows[0]["now_ms"])
 
+    # -- browsing and purging -------------------------------------------------------------
+
+    async def browse_entries(
+        self, repository: str, after_key: str, limit: int
+    ) -> list[EntrySummary]:
+        rows = await self._fetch("browse_entries", repository, after_key, int(limit))
+        return [_summary(r) for r in rows]
+
+    async def search_entries(
+        self, repository: str, prefix: str, after: tuple[str, str], limit: int
+    ) -> list[EntrySummary]:
+        rows = await self._fetch(
+            "search_entries", repository, prefix, after[0], after[1], int(limit)
+        )
+        return [_summary(r) for r in rows]
+
+    async def list_packages(
+        self, repository: str, prefix: str, after: str, limit: int
+    ) -> list[PackageSummary]:
+        rows = await self._fetch("list_packages", repository, prefix, after, int(limit))
+        return [
+            PackageSummary(
+                package=r["package"],
+                entries=int(r["entries"]),
+                versions=int(r["versions"]),
+                bytes=int(r["bytes"]),
+                last_access_ms=int(r["last_access_ms"]),
+            )
+            for r in rows
+        ]
+
+    async def package_entries(
+        self, repository: str, package: str, limit: int
+    ) -> list[EntrySummary]:
+        rows = await self._fetch("package_entries", repository, package, int(limit))
+        return [_summary(r) for r in rows]
+
+    async def delete_package(self, repository: str, package: str) -> list[Removed]:
+        rows = await self._write_fetch("delete_package", repository, package)
+        await self._execute("record_purge", repository, package, None)
+        return [_removed(r) for r in rows]
+
+    async def purge_entry(self, repository: str, key: str) -> bool:
+        deleted = await self._execute("delete_entry", repository, key, None) > 0
+        await self._execute("record_purge", repository, None, key)
+        return deleted
+
+    async def purges_after(self, purge_id: int) -> list[Purge]:
+        rows = await self._fetch("purges_after", int(purge_id))
+        return [Purge(int(r["id"]), r["repository"], r["package"], r["key"]) for r in rows]
+
+    async def unpackaged_entries(self, repository: str, after_key: str, limit: int) -> list[str]:
+        rows = await self._fetch("unpackaged_entries", repository, after_key, int(limit))
+        return [r["key"] for r in rows]
+
+    async def set_packages(
+        self, repository: str, packages: dict[str, tuple[str, str | None]]
+    ) -> None:
+        if packages:
+            batch = [
+                {"repository": repository, "key": key, "package": package, "version": version}
+                for key, (package, version) in packages.items()
+            ]
+            await self._execute("set_packages", json.dumps(batch))
+
+    async def backfilled_repositories(self) -> set[str]:
+        return {r["repository"] for r in await self._fetch("select_backfills")}
+
+    async def record_backfill(self, repository: str) -> None:
+        await self._execute("record_backfill", repository)
+
+    # -- the fleet -------------------------------------------------------------------------
+
+    async def heartbeat(self, replica: Replica) -> int:
+        row = await self._write_returning(
+            "heartbeat",
+            replica.holder,
+            replica.host,
+            int(replica.pid),
+            replica.url,
+            replica.version,
+            int(replica.started_at_ms),
+            json.dumps(replica.stats),
+        )
+        return int(row["newest_purge"]) if row else 0
+
+    async def replicas(self) -> list[Replica]:
+        rows = await self._fetch("select_replicas")
+        return [
+            Replica(
+                holder=r["holder"],
+                host=r["host"],
+                pid=int(r["pid"]),
+                url=r["url"],
+                version=r["version"],
+                started_at_ms=int(r["started_at_ms"]),
+                seen_at_ms=int(r["seen_at_ms"]),
+                stats=json.loads(r["stats"]),
+                now_ms=int(r["now_ms"]),
+            )
+            for r in rows
+        ]
+
+    async def in_flight(self, limit: int) -> list[InFlight]:
+        rows = await self._fetch("in_flight", int(limit))
+        return [
+            InFlight(
+                key=r["key"],
+                holder=r["holder"],
+                fence=int(r["fence"]),
+                acquired_at_ms=int(r["acquired_at_ms"]),
+                renewed_at_ms=int(r["renewed_at_ms"]),
+                written=_int_or_none(r["written"]),
+                length=_int_or_none(r["stream_length"]),
+                waiters=_int_or_none(r["waiters"]),
+                now_ms=int(r["now_ms"]),
+            )
+            for r in rows
+        ]
+
+    async def forget_fleet_history(self, retention_s: float) -> int:
+        forgotten = 0
+        for name in ("forget_replicas", "forget_purges", "forget_mirror_runs"):
+            forgotten += await self._execute(name, float(retention_s))
+        return forgotten
+
+    # -- job failures and mirror runs ------------------------------------------------------
+
+    async def record_job_failure(self, name: str, run_id: int, holder: str, reason: str) -> None:
+        await self._execute("record_job_failure", name, int(run_id), holder, reason)
+        await self._execute("trim_job_failures", JOB_FAILURES_KEPT)
+
+    async def job_failures(self, limit: int) -> list[JobFailure]:
+        rows = await self._fetch("select_job_failures", int(limit))
+        return [
+            JobFailure(r["name"], int(r["run_id"]), r["holder"], int(r["at_ms"]), r["reason"])
+            for r in rows
+        ]
+
+    async def create_mirror_run(
+        self, name: str, origin: str, holder: str, request: dict[str, Any]
+    ) -> int:
+        row = await self._write_returning(
+            "create_mirror_run", name, origin, holder, json.dumps(request)
+        )
+        return int(row["id"])
+
+    async def update_mirror_run(self, run_id: int, counts: dict[str, int]) -> bool:
+        row = await self._write_returning(
+            "update_mirror_run", int(run_id), *(int(counts.get(c, 0)) for c in MIRROR_COUNTS)
+        )
+        return bool(row["cancel_requested"]) if row else False
+
+    async def finish_mirror_run(
+        self, run_id: int, state: str, counts: dict[str, int], error: str | None
+    ) -> None:
+        await self._execute(
+            "finish_mirror_run",
+            int(run_id),
+            state,
+            error,
+            *(int(counts.get(c, 0)) for c in MIRROR_COUNTS),
+        )
+
+    async def cancel_mirror_run(self, run_id: int) -> bool:
+        return await self._execute("cancel_mirror_run", int(run_id)) > 0
+
+    async def mirror_run(self, run_id: int) -> MirrorRun | None:
+        row = await self._fetchrow("select_mirror_run", int(run_id))
+        return _mirror_run(row) if row else None
+
+    async def mirror_runs(self, limit: int) -> list[MirrorRun]:
+        return [_mirror_run(r) for r in await self._fetch("select_mirror_runs", int(limit))]
+
 
 def _removed(row: Any) -> Removed:
     return Removed(
         repository=row["repository"], key=row["key"], sha256=row["sha256"], size=int(row["size"])
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _summary(row: Any) -> EntrySummary:
+    return EntrySummary(
+        key=row["key"],
+        kind=Kind(row["kind"]),
+        size=int(row["size"]),
+        package=row["package"],
+        version=row["version"],
+        fetched_at_ms=int(row["fetched_at_ms"]),
+        last_access_ms=int(row["last_access_ms"]),
+    )
+
+
+def _mirror_run(row: Any) -> MirrorRun:
+    return MirrorRun(
+        id=int(row["id"]),
+        name=row["name"],
+        origin=row["origin"],
+        holder=row["holder"],
+        request=json.loads(row["request"]),
+        state=row["state"],
+        cancel_requested=bool(row["cancel_requested"]),
+        counts={name: int(row[name]) for name in MIRROR_COUNTS},
+        started_at_ms=int(row["started_at_ms"]),
+        updated_at_ms=int(row["updated_at_ms"]),
+        finished_at_ms=_int_or_none(row["finished_at_ms"]),
+        error=row["error"],
+        now_ms=int(row["now_ms"]),
     )

@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from proxy.cache.index import EntryIndex
 from proxy.catalog import Catalog, Entry, StreamInfo
 from proxy.clock import Clock
 from proxy.config.settings import DEFAULT_MAX_FILE_SIZE
-from proxy.contract import Fetched, FetchSpec, OriginContext, Status
+from proxy.contract import Fetched, FetchSpec, OriginContext, PackageVersion, Status
 from proxy.exceptions import (
     CatalogError,
     ContentMismatch,
@@ -81,10 +81,21 @@ class Miss:
     spec: FetchSpec
     context: OriginContext
     max_size: int = DEFAULT_MAX_FILE_SIZE  # repositories.<name>.max_file_size
+    package_of: Callable[[str], PackageVersion | None] | None = None  # the format's
 
     @property
     def key(self) -> str:
         return self.spec.key
+
+    def package(self) -> PackageVersion | None:
+        """The package the key belongs to, as its format says (never fails a store)."""
+        if self.package_of is None:
+            return None
+        try:
+            return self.package_of(self.key)
+        except Exception as exc:
+            log.error("package_of(%r) of %s failed: %r", self.key, self.format, exc)
+            return None
 
 
 # -- outcomes: what a waiting request gets ---------------------------------------------
@@ -129,6 +140,12 @@ class _Flight:
         self.transfer: Transfer | None = None  # what our clients read, once streaming
         self.outcome: Outcome | None = None
         self.published: tuple[str, int] | None = None  # our verified blob: path, size
+        self.requests = 1  # requests that asked for it while it ran (the first included)
+
+    def progress(self) -> tuple[int, int]:
+        """Bytes of our download on disk, and the requests sharing it (lease renewals
+        report them: docs/architecture.md, "Operating: console, API and logs")."""
+        return (self.download.written if self.download is not None else 0), self.requests
 
     def settle(self, outcome: Outcome) -> None:
         self.outcome = outcome  # what it came to, even when clients already stream
@@ -176,6 +193,7 @@ class Fetcher:
         flight = self._flights.get(flight_key)
         if flight is not None:
             metrics.COALESCED_WAITERS.labels(repository=miss.repository).inc()
+            flight.requests += 1
         else:
             if self.tasks.closing:
                 raise ShuttingDown("the proxy is shutting down")
@@ -230,6 +248,7 @@ class Fetcher:
             # The first claim refuses a key stored since our lookup: the wait finds it.
             held = await self.leases.claim(miss.repository, miss.key, unless_stored=not took_over)
             if held is not None:
+                held.progress = flight.progress
                 if took_over:
                     metrics.LEASE_TAKEOVERS.labels(repository=miss.repository).inc()
                 await self._download(miss, stale, flight, held)
@@ -377,7 +396,7 @@ class Fetcher:
                         flight.settle(Inline(body, fetched.content_type))
                         outcome = "passed_through"
                     else:
-                        await self._store_body(miss, fetched, flight, held)
+                        await self._store_body(miss, fetched, flight, held, urls)
                         outcome = "stored"
                 state = "done"
             except FetchError as exc:
@@ -414,6 +433,7 @@ class Fetcher:
         if spec.negative_ttl_s <= 0 or not spec.storable:
             return
         fetched_at = self.clock.now_ms()
+        package = miss.package()
         entry = Entry(
             repository=miss.repository,
             key=spec.key,
@@ -423,12 +443,19 @@ class Fetcher:
             content_type=None,
             fetched_at_ms=fetched_at,
             expires_at_ms=fetched_at + int(spec.negative_ttl_s * 1000),
+            package=package.package if package is not None else None,
+            version=package.version if package is not None else None,
         )
         await self.catalog.put_entry(entry)
         self.index.put(entry)
 
     async def _store_body(
-        self, miss: Miss, fetched: Fetched, flight: _Flight, held: HeldLease | None
+        self,
+        miss: Miss,
+        fetched: Fetched,
+        flight: _Flight,
+        held: HeldLease | None,
+        urls: list[str],
     ) -> None:
         spec = miss.spec
         assert fetched.body is not None
@@ -501,6 +528,7 @@ class Fetcher:
             download.fail(exc if isinstance(exc, Exception) else ShuttingDown("shutting down"))
             raise
         fetched_at = self.clock.now_ms()
+        package = miss.package()
         entry = Entry(
             repository=miss.repository,
             key=spec.key,
@@ -514,6 +542,11 @@ class Fetcher:
             last_modified=fetched.validators.last_modified,
             digests=computed,
             last_access_ms=fetched_at,
+            package=package.package if package is not None else None,
+            version=package.version if package is not None else None,
+            # The answer that carried the body is the last one opened (earlier ones
+            # were other upstreams' 404s, or redirects' hops).
+            upstream_url=urls[-1] if urls else None,
         )
         try:
             await self.catalog.put_entry(entry)

@@ -95,6 +95,9 @@ class HeldLease:
         # so measuring from here never overstates how long the lease is ours.
         self._last_renewed = sent_at
         self._renewer: asyncio.Task[None] | None = None
+        # (bytes written, requests sharing it): reported with each renewal, for the
+        # console's "in flight now" (no statement of its own).
+        self.progress: Callable[[], tuple[int, int]] | None = None
 
     @property
     def fence(self) -> int:
@@ -123,8 +126,11 @@ class HeldLease:
                 return
             sent = self.coordinator.clock.monotonic()
             try:
+                written, waiters = self.progress() if self.progress is not None else (None, None)
                 async with asyncio.timeout(interval_s):
-                    ok = await self.coordinator.catalog.renew_lease(self.grant, ttl_s)
+                    ok = await self.coordinator.catalog.renew_lease(
+                        self.grant, ttl_s, written, waiters
+                    )
             except (CatalogError, TimeoutError) as exc:
                 silent_s = self.coordinator.clock.monotonic() - self._last_renewed
                 if silent_s > ttl_s:

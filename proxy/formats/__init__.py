@@ -96,6 +96,8 @@ def _problems(candidate: object, name: str) -> Iterator[str]:
         limit = plugin.proxying.max_upstreams
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             yield f"proxying.max_upstreams must be a positive number or None, not {limit!r}"
+    if plugin.packages is not None:
+        yield from _callable_problems(plugin.packages.of, "packages.of", positional=1)
     default = plugin.default_repository
     if default is not None and default.get("format") != name:
         yield f"default_repository must say format = {name!r}"

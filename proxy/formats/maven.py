@@ -42,6 +42,8 @@ from proxy.contract import (
     NotFound,
     OriginContext,
     PackageRef,
+    Packages,
+    PackageVersion,
     ProxyContext,
     Proxying,
     RepositorySettings,
@@ -492,10 +494,31 @@ def _outage(path: str, errors: list[FetchError]) -> FetchError:
     return UpstreamUnavailable(f"{path}: no upstream could answer ({detail})")
 
 
+def package_of(key: str) -> PackageVersion | None:
+    """``group/dirs/artifact/version/file`` -> ``group.dirs:artifact`` and the version;
+    an artifact's ``maven-metadata.xml`` -> the artifact (no version), a SNAPSHOT
+    version's -> the artifact and that version."""
+    segments = key.split("/")
+    if segments[-1] == "maven-metadata.xml":
+        if len(segments) >= 4 and segments[-2].endswith("-SNAPSHOT"):
+            return PackageVersion(_coordinates(segments[:-3], segments[-3]), segments[-2])
+        if len(segments) >= 3:
+            return PackageVersion(_coordinates(segments[:-2], segments[-2]))
+        return None
+    if len(segments) < 4:
+        return None
+    return PackageVersion(_coordinates(segments[:-3], segments[-3]), segments[-2])
+
+
+def _coordinates(group: list[str], artifact: str) -> str:
+    return f"{'.'.join(group)}:{artifact}"
+
+
 FORMAT = FormatPlugin(
     name="maven",
     options=MavenOptions,
     proxying=Proxying(build=MavenRepository),
     mirroring=Mirroring(purl_types=("maven",), keys=MavenRepository.mirror),
     default_repository={"name": "maven", "format": "maven"},
+    packages=Packages(of=package_of),
 )

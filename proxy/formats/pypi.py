@@ -41,6 +41,8 @@ from proxy.contract import (
     NotFound,
     OriginContext,
     PackageRef,
+    Packages,
+    PackageVersion,
     ProxyContext,
     Proxying,
     RepositorySettings,
@@ -402,10 +404,27 @@ async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
 
+METADATA_SUFFIX = ".metadata"  # PEP 658: a file's core metadata beside it
+
+
+def package_of(key: str) -> PackageVersion | None:
+    """``simple/<project>/#...`` -> the project; ``files/<project>/<file>`` -> the
+    project and the version its file name states (none for a name we cannot read)."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "simple" and parts[1]:
+        return PackageVersion(parts[1])
+    if len(parts) == 3 and parts[0] == "files" and parts[1]:
+        filename = parts[2].removesuffix(METADATA_SUFFIX)
+        version = file_version(filename)
+        return PackageVersion(parts[1], str(version) if version is not None else None)
+    return None
+
+
 FORMAT = FormatPlugin(
     name="pypi",
     options=PypiOptions,
     proxying=Proxying(build=PypiRepository, max_upstreams=1),
     mirroring=Mirroring(purl_types=("pypi",), keys=PypiRepository.mirror),
     default_repository={"name": "pypi", "format": "pypi"},
+    packages=Packages(of=package_of),
 )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from proxy.catalog import Catalog
 from proxy.clock import Clock
 from proxy.exceptions import CatalogError, JobLockLost
+from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.tasks import TaskSupervisor
 
@@ -96,7 +97,7 @@ class Scheduler:
             except Exception as exc:
                 metrics.JOB_RUNS.labels(job=job.name, outcome="failed").inc()
                 log.error("job %s failed: %r", job.name, exc, exc_info=exc)
-                await self._finish(job, run_id, "failed")
+                await self._finish(job, run_id, "failed", f"{type(exc).__name__}: {exc}")
                 return False
             # Still under the lock: the next pass cannot start before this one is recorded.
             await self._finish(job, run_id, "ok")
@@ -105,9 +106,11 @@ class Scheduler:
         log.info("job %s: %s", job.name, summary)
         return True
 
-    async def _finish(self, job: Job, run_id: int, outcome: str) -> None:
+    async def _finish(self, job: Job, run_id: int, outcome: str, reason: str | None = None) -> None:
         try:
             await self.catalog.finish_job_run(job.name, run_id, outcome)
+            if reason is not None:  # the console lists recent failures with their reason
+                await self.catalog.record_job_failure(job.name, run_id, self.holder, redact(reason))
         except CatalogError as exc:
             _raise_if_cancelling()
             log.warning("job %s: could not record its outcome %s: %s", job.name, outcome, exc)

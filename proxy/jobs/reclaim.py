@@ -18,6 +18,9 @@ from proxy.storage.blobs import BlobStore
 STALE_TEMP_AGE_S = 24 * 3600.0
 ORPHAN_BLOB_MIN_AGE_S = 3600.0
 NEGATIVE_RETENTION_S = 3600.0
+# Replicas not seen, purges every replica has seen and finished mirror runs are kept
+# this long (the console shows them).
+FLEET_HISTORY_S = 7 * 86400.0
 # Names per catalog question of the orphan sweep: one statement per batch, not per blob.
 ORPHAN_BATCH = 1000
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -41,9 +44,11 @@ class Reclaim:
             self.clock.now_ms() - int(NEGATIVE_RETENTION_S * 1000)
         )
         orphans = await self.remove_orphans()
+        history = await self.catalog.forget_fleet_history(FLEET_HISTORY_S)
         return (
             f"purged {leases} lease rows, {temps} temp files, "
-            f"{negatives} negative entries, {orphans} orphan blobs"
+            f"{negatives} negative entries, {orphans} orphan blobs, "
+            f"{history} old replica, purge and mirror-run rows"
         )
 
     async def remove_orphans(self) -> int:

@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from proxy.config.settings import MirrorSettings
 from proxy.contract import FetchSpec, MirrorVersions, ProxyCache
-from proxy.exceptions import NotConfigured, NotFound, ProxyError
+from proxy.exceptions import NotConfigured, NotFound, ProxyError, ShuttingDown
 from proxy.mirror.purls import parse_purl
+from proxy.mirror.runs import describe_request, run_recorded
 from proxy.mirror.sbom import purls_in_sbom
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.types import PackageRef
 from proxy.units import human_size
+
+if TYPE_CHECKING:
+    from proxy.catalog import Catalog
 
 log = logging.getLogger("proxy.mirrors")
 T = TypeVar("T")
@@ -108,7 +112,13 @@ class Mirrors:
     """Runs mirror passes over the engine's repositories."""
 
     def __init__(
-        self, sources: Mapping[str, MirrorSource], not_configured: Mapping[str, str]
+        self,
+        sources: Mapping[str, MirrorSource],
+        not_configured: Mapping[str, str],
+        catalog: Catalog | None = None,
+        holder: str = "",
+        spawn: Callable[[str, Coroutine[Any, Any, Any]], object] | None = None,
+        closing: Callable[[], bool] | None = None,
     ) -> None:
         # Repository name -> what it mirrors; in config order, so the first repository
         # serving a type is the default.
@@ -116,6 +126,74 @@ class Mirrors:
         # Repository name -> why it has no upstream (the engine's own check, which
         # requests pass through and mirrors, calling adapters directly, would not).
         self.not_configured = not_configured
+        # Where runs are recorded (mirror/runs.py), who we are, and the task group that
+        # runs the admin API's runs in the background.
+        self.catalog = catalog
+        self.holder = holder
+        self.spawn = spawn
+        self.closing = closing
+
+    async def record(
+        self,
+        name: str,
+        origin: str,
+        purls: Sequence[str],
+        sbom: Path | None,
+        versions: str,
+        repository: str | None,
+        progress: Progress | None = None,
+    ) -> tuple[int, str, MirrorSummary | None]:
+        """One pass, recorded as a mirror run: (its id, the state it ended in, the
+        summary if it ran to the end)."""
+        run_id = await self.create_run(name, origin, list(purls), sbom, versions, repository)
+        state, summary = await self.execute(
+            run_id, name, purls, sbom, versions, repository, progress
+        )
+        return run_id, state, summary
+
+    async def create_run(
+        self,
+        name: str,
+        origin: str,
+        purls: list[str],
+        sbom: Path | None,
+        versions: str,
+        repository: str | None,
+    ) -> int:
+        assert self.catalog is not None
+        request = describe_request(purls, str(sbom) if sbom else None, versions, repository)
+        return await self.catalog.create_mirror_run(name, origin, self.holder, request)
+
+    async def execute(
+        self,
+        run_id: int,
+        name: str,
+        purls: Sequence[str],
+        sbom: Path | None,
+        versions: str,
+        repository: str | None,
+        progress: Progress | None = None,
+    ) -> tuple[str, MirrorSummary | None]:
+        assert self.catalog is not None
+
+        def work(recorded: Progress) -> Awaitable[MirrorSummary]:
+            return self.run(name, purls, sbom, versions, repository, recorded)
+
+        return await run_recorded(self.catalog, run_id, work, progress)
+
+    async def launch(
+        self, name: str, purls: list[str], versions: str, repository: str | None
+    ) -> int:
+        """Start a run in the background (the admin API's); its id at once."""
+        assert self.spawn is not None
+        if self.closing is not None and self.closing():
+            raise ShuttingDown("the proxy is shutting down; start the run on another replica")
+        run_id = await self.create_run(name, "api", purls, None, versions, repository)
+        self.spawn(
+            f"mirror-run:{run_id}",
+            self.execute(run_id, name, purls, None, versions, repository),
+        )
+        return run_id
 
     def supported_types(self, repository: str | None = None) -> list[str]:
         """The purl types some repository here (or ``repository``) mirrors."""
@@ -142,10 +220,11 @@ class Mirrors:
 
     def job(self, mirror: MirrorSettings) -> Callable[[], Awaitable[str]]:
         async def run() -> str:
-            summary = await self.run(
-                mirror.name, mirror.packages, mirror.sbom, mirror.versions, mirror.repository
-            )
-            return summary.line()
+            args = (mirror.packages, mirror.sbom, mirror.versions, mirror.repository)
+            if self.catalog is None:
+                return (await self.run(mirror.name, *args)).line()
+            run_id, state, summary = await self.record(mirror.name, "schedule", *args)
+            return (summary.line() if summary else "stopped") + f" (mirror run {run_id}: {state})"
 
         return run
 

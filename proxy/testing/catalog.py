@@ -11,17 +11,27 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.catalog import (
+    MIRROR_COUNTS,
     Entry,
+    EntrySummary,
+    InFlight,
+    JobFailure,
     JobRun,
     LeaseGrant,
     LeaseRow,
+    MirrorRun,
+    PackageSummary,
+    Purge,
     Removed,
+    Replica,
     StorageUsage,
     StreamInfo,
     Usage,
 )
+from proxy.catalog.base import JOB_FAILURES_KEPT
 from proxy.clock import SYSTEM_CLOCK, Clock
 from proxy.exceptions import CatalogError
 from proxy.types import Kind, Link, LinkBatch
@@ -36,6 +46,8 @@ class _Lease:
     renewed_at: int
     expires_at: int
     stream: StreamInfo | None = None
+    written: int | None = None
+    waiters: int | None = None
 
 
 @dataclass
@@ -72,6 +84,11 @@ class MemoryCatalog:
         self._job_locks: set[str] = set()
         self._listeners: list[Callable[[str, LeaseRow | None], None]] = []
         self._closed = False
+        self.replica_rows: dict[str, Replica] = {}
+        self.purges: list[Purge] = []
+        self.failures: list[JobFailure] = []
+        self.runs: dict[int, MirrorRun] = {}
+        self.backfilled: set[str] = set()
 
     async def _enter(self, operation: str) -> None:
         await asyncio.sleep(0)  # a database call always yields to the loop
@@ -298,6 +315,7 @@ class MemoryCatalog:
             if entry is not None and entry.is_fresh(at_ms):
                 return None
         self._fence += 1  # a sequence: it grows on every claim and never goes back
+        # (a new row: its stream, bytes written and waiters are cleared, as the SQL does)
         self.leases[key] = _Lease(
             holder, self._fence, "fetching", now, now, now + int(ttl_s * 1000)
         )
@@ -315,13 +333,21 @@ class MemoryCatalog:
             return None
         return row
 
-    async def renew_lease(self, grant: LeaseGrant, ttl_s: float) -> bool:
+    async def renew_lease(
+        self,
+        grant: LeaseGrant,
+        ttl_s: float,
+        written: int | None = None,
+        waiters: int | None = None,
+    ) -> bool:
         await self._enter("renew_lease")
         row = self._mandate(grant)
         if row is None:
             return False
         row.renewed_at = self._now()
         row.expires_at = row.renewed_at + int(ttl_s * 1000)
+        row.written = written if written is not None else row.written
+        row.waiters = waiters if waiters is not None else row.waiters
         return True
 
     async def release_lease(self, grant: LeaseGrant, state: str) -> bool:
@@ -436,8 +462,265 @@ class MemoryCatalog:
         ]
         return runs, self._now()
 
+    # -- browsing and purging ----------------------------------------------------------------
+
+    def _of(self, repository: str) -> list[Entry]:
+        return sorted(
+            (e for (repo, _), e in self.entries.items() if repo == repository),
+            key=lambda e: e.key.encode(),
+        )
+
+    async def browse_entries(
+        self, repository: str, after_key: str, limit: int
+    ) -> list[EntrySummary]:
+        await self._enter("browse_entries")
+        rows = [e for e in self._of(repository) if e.key.encode() > after_key.encode()]
+        return [_summary(e) for e in rows[:limit]]
+
+    async def search_entries(
+        self, repository: str, prefix: str, after: tuple[str, str], limit: int
+    ) -> list[EntrySummary]:
+        await self._enter("search_entries")
+        cursor = (after[0].encode(), after[1].encode())
+        rows = sorted(
+            (
+                e
+                for e in self._of(repository)
+                if e.package is not None
+                and e.package.startswith(prefix)
+                and (e.package.encode(), e.key.encode()) > cursor
+            ),
+            key=lambda e: ((e.package or "").encode(), e.key.encode()),
+        )
+        return [_summary(e) for e in rows[:limit]]
+
+    async def list_packages(
+        self, repository: str, prefix: str, after: str, limit: int
+    ) -> list[PackageSummary]:
+        await self._enter("list_packages")
+        grouped: dict[str, list[Entry]] = {}
+        for entry in self._of(repository):
+            name = entry.package
+            if name is not None and name.startswith(prefix) and name.encode() > after.encode():
+                grouped.setdefault(name, []).append(entry)
+        found = []
+        for name in sorted(grouped, key=str.encode)[:limit]:
+            rows = grouped[name]
+            versions = {e.version for e in rows if e.version is not None}
+            found.append(
+                PackageSummary(
+                    name,
+                    len(rows),
+                    len(versions),
+                    sum(e.size for e in rows),
+                    max(e.last_access_ms for e in rows),
+                )
+            )
+        return found
+
+    async def package_entries(
+        self, repository: str, package: str, limit: int
+    ) -> list[EntrySummary]:
+        await self._enter("package_entries")
+        return [_summary(e) for e in self._of(repository) if e.package == package][:limit]
+
+    async def delete_package(self, repository: str, package: str) -> list[Removed]:
+        await self._enter("delete_package")
+        gone = [e for e in self._of(repository) if e.package == package]
+        for entry in gone:
+            self._delete(entry)
+        self._record_purge(repository, package, None)
+        return [Removed(e.repository, e.key, e.sha256, e.size) for e in gone]
+
+    async def purge_entry(self, repository: str, key: str) -> bool:
+        await self._enter("purge_entry")
+        entry = self.entries.get((repository, key))
+        if entry is not None:
+            self._delete(entry)
+        self._record_purge(repository, None, key)
+        return entry is not None
+
+    def _record_purge(self, repository: str, package: str | None, key: str | None) -> None:
+        self.purges.append(Purge(len(self.purges) + 1, repository, package, key))
+
+    async def purges_after(self, purge_id: int) -> list[Purge]:
+        await self._enter("purges_after")
+        return [p for p in self.purges if p.id > purge_id][:1000]
+
+    async def unpackaged_entries(self, repository: str, after_key: str, limit: int) -> list[str]:
+        await self._enter("unpackaged_entries")
+        return [
+            e.key
+            for e in self._of(repository)
+            if e.package is None
+            and e.kind is not Kind.HOSTED
+            and e.key.encode() > after_key.encode()
+        ][:limit]
+
+    async def set_packages(
+        self, repository: str, packages: dict[str, tuple[str, str | None]]
+    ) -> None:
+        await self._enter("set_packages")
+        for key, (package, version) in packages.items():
+            entry = self.entries.get((repository, key))
+            if entry is not None and entry.package is None:
+                self.entries[(repository, key)] = dataclasses.replace(
+                    entry, package=package, version=version
+                )
+
+    async def backfilled_repositories(self) -> set[str]:
+        await self._enter("backfilled_repositories")
+        return set(self.backfilled)
+
+    async def record_backfill(self, repository: str) -> None:
+        await self._enter("record_backfill")
+        self.backfilled.add(repository)
+
+    # -- the fleet -----------------------------------------------------------------------------
+
+    async def heartbeat(self, replica: Replica) -> int:
+        await self._enter("heartbeat")
+        now = self._now()
+        old = self.replica_rows.get(replica.holder)
+        self.replica_rows[replica.holder] = dataclasses.replace(
+            replica,
+            started_at_ms=old.started_at_ms if old is not None else replica.started_at_ms,
+            seen_at_ms=now,
+            stats=json.loads(json.dumps(replica.stats)),
+        )
+        return self.purges[-1].id if self.purges else 0
+
+    async def replicas(self) -> list[Replica]:
+        await self._enter("replicas")
+        now = self._now()
+        return [
+            dataclasses.replace(r, now_ms=now)
+            for r in sorted(self.replica_rows.values(), key=lambda r: r.started_at_ms)
+        ]
+
+    async def in_flight(self, limit: int) -> list[InFlight]:
+        await self._enter("in_flight")
+        now = self._now()
+        live = [
+            (key, row)
+            for key, row in self.leases.items()
+            if row.state == "fetching" and row.expires_at > now
+        ]
+        live.sort(key=lambda item: item[1].acquired_at)
+        return [
+            InFlight(
+                key=key,
+                holder=row.holder,
+                fence=row.fence,
+                acquired_at_ms=row.acquired_at,
+                renewed_at_ms=row.renewed_at,
+                written=row.written,
+                length=row.stream.length if row.stream is not None else None,
+                waiters=row.waiters,
+                now_ms=now,
+            )
+            for key, row in live[:limit]
+        ]
+
+    async def forget_fleet_history(self, retention_s: float) -> int:
+        await self._enter("forget_fleet_history")
+        cutoff = self._now() - int(retention_s * 1000)
+        gone = [h for h, r in self.replica_rows.items() if r.seen_at_ms < cutoff]
+        for holder in gone:
+            del self.replica_rows[holder]
+        finished = [
+            i
+            for i, r in self.runs.items()
+            if r.finished_at_ms is not None and r.finished_at_ms < cutoff
+        ]
+        for run_id in finished:
+            del self.runs[run_id]
+        return len(gone) + len(finished)
+
+    # -- job failures and mirror runs ---------------------------------------------------------
+
+    async def record_job_failure(self, name: str, run_id: int, holder: str, reason: str) -> None:
+        await self._enter("record_job_failure")
+        self.failures.append(JobFailure(name, run_id, holder, self._now(), reason))
+        del self.failures[:-JOB_FAILURES_KEPT]
+
+    async def job_failures(self, limit: int) -> list[JobFailure]:
+        await self._enter("job_failures")
+        return list(reversed(self.failures))[:limit]
+
+    async def create_mirror_run(
+        self, name: str, origin: str, holder: str, request: dict[str, Any]
+    ) -> int:
+        await self._enter("create_mirror_run")
+        run_id = max(self.runs, default=0) + 1
+        now = self._now()
+        self.runs[run_id] = MirrorRun(
+            run_id, name, origin, holder, json.loads(json.dumps(request)), "running", False,
+            dict.fromkeys(MIRROR_COUNTS, 0), now, now, None, None, now,
+        )  # fmt: skip
+        return run_id
+
+    async def update_mirror_run(self, run_id: int, counts: dict[str, int]) -> bool:
+        await self._enter("update_mirror_run")
+        run = self.runs.get(run_id)
+        if run is None:
+            return False
+        self.runs[run_id] = dataclasses.replace(
+            run, counts={c: int(counts.get(c, 0)) for c in MIRROR_COUNTS}, updated_at_ms=self._now()
+        )
+        return run.cancel_requested
+
+    async def finish_mirror_run(
+        self, run_id: int, state: str, counts: dict[str, int], error: str | None
+    ) -> None:
+        await self._enter("finish_mirror_run")
+        run = self.runs.get(run_id)
+        if run is None or run.state != "running":
+            return
+        now = self._now()
+        self.runs[run_id] = dataclasses.replace(
+            run,
+            state=state,
+            error=error,
+            counts={c: int(counts.get(c, 0)) for c in MIRROR_COUNTS},
+            finished_at_ms=now,
+            updated_at_ms=now,
+        )
+
+    async def cancel_mirror_run(self, run_id: int) -> bool:
+        await self._enter("cancel_mirror_run")
+        run = self.runs.get(run_id)
+        if run is None or run.state != "running":
+            return False
+        self.runs[run_id] = dataclasses.replace(run, cancel_requested=True)
+        return True
+
+    async def mirror_run(self, run_id: int) -> MirrorRun | None:
+        await self._enter("mirror_run")
+        run = self.runs.get(run_id)
+        return dataclasses.replace(run, now_ms=self._now()) if run is not None else None
+
+    async def mirror_runs(self, limit: int) -> list[MirrorRun]:
+        await self._enter("mirror_runs")
+        now = self._now()
+        return [
+            dataclasses.replace(self.runs[i], now_ms=now) for i in sorted(self.runs, reverse=True)
+        ][:limit]
+
 
 _PROXIED = (Kind.IMMUTABLE, Kind.METADATA)
+
+
+def _summary(entry: Entry) -> EntrySummary:
+    return EntrySummary(
+        entry.key,
+        entry.kind,
+        entry.size,
+        entry.package,
+        entry.version,
+        entry.fetched_at_ms,
+        entry.last_access_ms,
+    )
 
 
 def _copy(entry: Entry) -> Entry:

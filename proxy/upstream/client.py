@@ -54,6 +54,7 @@ from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.units import format_duration, format_size
 from proxy.upstream.circuit import Circuit
+from proxy.upstream.health import UpstreamHealth
 from proxy.upstream.ssrf import AddressPolicy
 
 log = logging.getLogger("proxy.upstream")
@@ -169,6 +170,7 @@ class UpstreamPool:
         self.settings = settings
         self.client = client or build_client(settings)
         self.budget = ByteBudget(BUFFERED_BODIES_MAX_BYTES)
+        self.health = UpstreamHealth()
         self._slots: dict[str, asyncio.Semaphore] = {}
         self.circuits: dict[str, Circuit] = {}
 
@@ -250,8 +252,12 @@ class Upstream:
             async with slot:
                 try:
                     response = await self._send(method, url, headers, deadline, circuit, probe)
+                except UpstreamError as exc:
+                    self.pool.health.failed(host, str(exc))
+                    raise
                 finally:
                     circuit.release(probe)  # a probe that got no verdict (refused, cancelled)
+                self.pool.health.answered(host)
                 location = response.extensions.get(LOCATION_EXTENSION)
                 if response.status_code in REDIRECT_STATUSES and location:
                     await response.aclose()

@@ -22,19 +22,24 @@ INSERT INTO schema_migrations VALUES (?1, ?2, clock_ms())
 
 -- name: select_entry
 SELECT repository, key, kind, sha256, size, content_type, etag, last_modified, digests,
-       fetched_at_ms, expires_at_ms, last_access_ms
+       fetched_at_ms, expires_at_ms, last_access_ms, package, version, upstream_url
 FROM entries WHERE repository = ?1 AND key = ?2
 
 -- name: upsert_entry
 INSERT INTO entries (repository, key, kind, sha256, size, content_type, etag, last_modified,
-                     digests, fetched_at_ms, expires_at_ms, last_access_ms)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
+                     digests, fetched_at_ms, expires_at_ms, last_access_ms, package, version,
+                     upstream_url)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14,
+        ?15)
 ON CONFLICT (repository, key) DO UPDATE SET
     kind = excluded.kind, sha256 = excluded.sha256, size = excluded.size,
     content_type = excluded.content_type, etag = excluded.etag,
     last_modified = excluded.last_modified, digests = excluded.digests,
     fetched_at_ms = excluded.fetched_at_ms, expires_at_ms = excluded.expires_at_ms,
-    last_access_ms = max(entries.last_access_ms, excluded.last_access_ms)
+    last_access_ms = max(entries.last_access_ms, excluded.last_access_ms),
+    package = coalesce(excluded.package, entries.package),
+    version = coalesce(excluded.version, entries.version),
+    upstream_url = coalesce(excluded.upstream_url, entries.upstream_url)
 
 -- name: refresh_entry
 UPDATE entries SET fetched_at_ms = ?1, expires_at_ms = ?2, etag = ?3, last_modified = ?4
@@ -56,7 +61,7 @@ SELECT count(*) AS entries, coalesce(sum(size), 0) AS bytes FROM entries WHERE r
 
 -- name: least_recently_used
 SELECT repository, key, kind, sha256, size, content_type, etag, last_modified, digests,
-       fetched_at_ms, expires_at_ms, last_access_ms
+       fetched_at_ms, expires_at_ms, last_access_ms, package, version, upstream_url
 FROM entries WHERE repository = ?1 AND kind <> 'negative'
 ORDER BY last_access_ms LIMIT ?2
 
@@ -158,15 +163,17 @@ ON CONFLICT (key) DO UPDATE SET
     holder = excluded.holder, fence = excluded.fence, state = 'fetching',
     acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at,
     expires_at = excluded.expires_at,
-    stream_file = NULL, stream_type = NULL, stream_length = NULL
+    stream_file = NULL, stream_type = NULL, stream_length = NULL, written = NULL, waiters = NULL
 WHERE fetch_leases.holder = excluded.holder
    OR fetch_leases.state <> 'fetching'
    OR fetch_leases.expires_at <= clock_ms()
 RETURNING fence
 
 -- name: renew_lease
--- (?1 key, ?2 holder, ?3 fence, ?4 ttl seconds): only our own live mandate.
-UPDATE fetch_leases SET renewed_at = clock_ms(), expires_at = clock_ms() + CAST(?4 * 1000 AS INTEGER)
+-- (?1 key, ?2 holder, ?3 fence, ?4 ttl seconds, ?5 bytes written so far, ?6 requests
+-- sharing the download): only our own live mandate.
+UPDATE fetch_leases SET renewed_at = clock_ms(), expires_at = clock_ms() + CAST(?4 * 1000 AS INTEGER),
+                        written = coalesce(?5, written), waiters = coalesce(?6, waiters)
 WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
 
 -- name: release_lease
@@ -214,3 +221,128 @@ UPDATE job_runs SET outcome = ?3, finished_at_ms = clock_ms() WHERE name = ?1 AN
 SELECT name, run_id, nullif(started_at_ms, 0) AS started_at_ms, finished_at_ms, outcome,
        holder, clock_ms() AS now_ms
 FROM job_runs ORDER BY name
+
+-- -- The operators' console and admin API (docs/architecture.md, "Operating: console,
+-- -- API and logs"). Keyset pages: each page starts after the last row of the one before.
+
+-- name: browse_entries
+-- (?1 repository, ?2 after this key, ?3 most rows): a repository's entries in key order.
+SELECT key, kind, size, package, version, fetched_at_ms, last_access_ms
+FROM entries WHERE repository = ?1 AND key > ?2 ORDER BY key LIMIT ?3
+
+-- name: search_entries
+-- (?1 repository, ?2 package name prefix, ?3 and ?4 after this (package, key), ?5 most
+-- rows): the entries of packages whose name starts with ?2, by package then key.
+SELECT key, kind, size, package, version, fetched_at_ms, last_access_ms
+FROM entries
+WHERE repository = ?1 AND package IS NOT NULL
+  AND package >= ?2 AND package < ?2 || char(1114111) AND (package, key) > (?3, ?4)
+ORDER BY package, key LIMIT ?5
+
+-- name: list_packages
+-- (?1 repository, ?2 name prefix or '', ?3 after this package, ?4 most rows): packages
+-- with their entries, versions, bytes and last access.
+SELECT package, count(*) AS entries, count(DISTINCT version) AS versions,
+       coalesce(sum(size), 0) AS bytes, max(last_access_ms) AS last_access_ms
+FROM entries
+WHERE repository = ?1 AND package IS NOT NULL AND package > ?3
+  AND package >= ?2 AND package < ?2 || char(1114111)
+GROUP BY package ORDER BY package LIMIT ?4
+
+-- name: package_entries
+-- (?1 repository, ?2 package, ?3 most rows): the entries of one package.
+SELECT key, kind, size, package, version, fetched_at_ms, last_access_ms
+FROM entries WHERE repository = ?1 AND package = ?2 ORDER BY key LIMIT ?3
+
+-- name: delete_package
+-- (?1 repository, ?2 package): every entry of the package, negative ones too.
+DELETE FROM entries WHERE repository = ?1 AND package = ?2
+RETURNING repository, key, sha256, size
+
+-- name: record_purge
+INSERT INTO purges (repository, package, key, at_ms) VALUES (?1, ?2, ?3, clock_ms())
+
+-- name: purges_after
+SELECT id, repository, package, key FROM purges WHERE id > ?1 ORDER BY id LIMIT 1000
+
+-- name: forget_purges
+-- (?1 seconds): purges every replica has long since seen.
+DELETE FROM purges WHERE at_ms < clock_ms() - CAST(?1 * 1000 AS INTEGER)
+
+-- name: heartbeat
+-- (?1 holder, ?2 host, ?3 pid, ?4 url, ?5 version, ?6 started at ms, ?7 stats JSON): this
+-- replica is alive; returns the newest purge id, so one statement also tells it whether
+-- to drop what it remembers.
+INSERT INTO replicas (holder, host, pid, url, version, started_at_ms, seen_at_ms, stats)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, clock_ms(), ?7)
+ON CONFLICT (holder) DO UPDATE SET
+    seen_at_ms = excluded.seen_at_ms, stats = excluded.stats, url = excluded.url
+RETURNING (SELECT coalesce(max(id), 0) FROM purges) AS newest_purge
+
+-- name: select_replicas
+SELECT holder, host, pid, url, version, started_at_ms, seen_at_ms, stats, clock_ms() AS now_ms
+FROM replicas ORDER BY started_at_ms
+
+-- name: forget_replicas
+-- (?1 seconds): replicas not seen for this long.
+DELETE FROM replicas WHERE seen_at_ms < clock_ms() - CAST(?1 * 1000 AS INTEGER)
+
+-- name: in_flight
+-- (?1 most rows): downloads under a live lease, oldest first, with their progress.
+SELECT key, holder, fence, acquired_at AS acquired_at_ms, renewed_at AS renewed_at_ms, written,
+       stream_length, waiters, clock_ms() AS now_ms
+FROM fetch_leases WHERE state = 'fetching' AND expires_at > clock_ms()
+ORDER BY acquired_at LIMIT ?1
+
+-- name: record_job_failure
+-- (?1 name, ?2 run id, ?3 holder, ?4 reason).
+INSERT INTO job_failures (name, run_id, holder, at_ms, reason) VALUES (?1, ?2, ?3, clock_ms(), ?4)
+
+-- name: trim_job_failures
+-- (?1 rows to keep).
+DELETE FROM job_failures WHERE id <= (SELECT max(id) FROM job_failures) - ?1
+
+-- name: select_job_failures
+SELECT name, run_id, holder, at_ms, reason FROM job_failures ORDER BY id DESC LIMIT ?1
+
+-- name: create_mirror_run
+-- (?1 name, ?2 origin, ?3 holder, ?4 request JSON).
+INSERT INTO mirror_runs (name, origin, holder, request, state, started_at_ms, updated_at_ms)
+VALUES (?1, ?2, ?3, ?4, 'running', clock_ms(), clock_ms())
+RETURNING id
+
+-- name: update_mirror_run
+-- (?1 id, ?2 planned, ?3 fetched, ?4 cached, ?5 missing, ?6 failed, ?7 skipped, ?8 bytes):
+-- progress; returns whether a cancellation was asked for.
+UPDATE mirror_runs SET planned = ?2, fetched = ?3, cached = ?4, missing = ?5, failed = ?6,
+                       skipped = ?7, bytes = ?8, updated_at_ms = clock_ms()
+WHERE id = ?1
+RETURNING cancel_requested
+
+-- name: finish_mirror_run
+-- (?1 id, ?2 state, ?3 error, ?4 planned ... ?10 bytes).
+UPDATE mirror_runs SET state = ?2, error = ?3, planned = ?4, fetched = ?5, cached = ?6,
+                       missing = ?7, failed = ?8, skipped = ?9, bytes = ?10,
+                       finished_at_ms = clock_ms(), updated_at_ms = clock_ms()
+WHERE id = ?1 AND state = 'running'
+
+-- name: cancel_mirror_run
+UPDATE mirror_runs SET cancel_requested = 1 WHERE id = ?1 AND state = 'running'
+
+-- name: select_mirror_run
+SELECT id, name, origin, holder, request, state, cancel_requested, planned, fetched, cached,
+       missing, failed, skipped, bytes, started_at_ms, updated_at_ms, finished_at_ms, error,
+       clock_ms() AS now_ms
+FROM mirror_runs WHERE id = ?1
+
+-- name: select_mirror_runs
+-- (?1 most rows): the latest runs first.
+SELECT id, name, origin, holder, request, state, cancel_requested, planned, fetched, cached,
+       missing, failed, skipped, bytes, started_at_ms, updated_at_ms, finished_at_ms, error,
+       clock_ms() AS now_ms
+FROM mirror_runs ORDER BY id DESC LIMIT ?1
+
+-- name: forget_mirror_runs
+-- (?1 seconds): finished runs older than this.
+DELETE FROM mirror_runs
+WHERE finished_at_ms IS NOT NULL AND finished_at_ms < clock_ms() - CAST(?1 * 1000 AS INTEGER)
