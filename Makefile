@@ -29,7 +29,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 bench: $(STAMP)
-	$(BIN)/python bench/hits.py
+	$(BIN)/python -m bench.hits
 
 # The image and the compose stack on a real Docker engine (deploy/test_stack.py). Where
 # public images cannot be pulled, ../shared/tools/docker-standins provides the engine and
@@ -38,7 +38,7 @@ deploy-test: $(STAMP)
 	$(BIN)/python deploy/test_stack.py
 
 bench-lb: $(STAMP)
-	$(BIN)/python bench/lb.py
+	$(BIN)/python -m bench.lb
 
 # Three replicas on Postgres under load while replicas, Postgres, the upstream and the
 # disk fail (bench/soak.py); exits 1 on a wrong body, a 500 or anything left behind.

@@ -286,7 +286,9 @@ def test_check_config_command(tmp_path: Path) -> None:
 
 
 def test_the_example_config_is_valid_and_documents_every_key() -> None:
-    settings = load("config.example.toml", {"GRADLE_CACHE_CI_PASSWORD": "x"})
+    settings = load(
+        "config.example.toml", {"GRADLE_CACHE_CI_PASSWORD": "x", "PROXY_ADMIN_PASSWORD": "y"}
+    )
     assert [r.name for r in settings.repositories] == [
         "pypi",
         "maven",

@@ -9,6 +9,7 @@ A repository's keys are validated generically from the options its format declar
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import ssl
@@ -37,6 +38,7 @@ from proxy.config.options import (
     options_of,
 )
 from proxy.config.settings import (
+    ADMIN_ANONYMOUS,
     DEFAULT_ACCESS_LOG,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_EVICT_GRACE_S,
@@ -67,6 +69,8 @@ from proxy.config.settings import (
     DEFAULT_WORKERS,
     LOG_FORMATS,
     MIRROR_VERSIONS,
+    AdminSettings,
+    AdminUser,
     DatabaseSettings,
     JobSettings,
     LeaseSettings,
@@ -84,7 +88,8 @@ from proxy.mirror.purls import parse_purl
 from proxy.redaction import redact_url
 
 RETENTION = Duration(positive=True)
-RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico"})
+# First path segments the proxy answers itself (a repository cannot be named so).
+RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico", "ui", "api"})
 _REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _ENV_REF_RE = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
 
@@ -187,7 +192,7 @@ class _Parser:
     def settings(self, raw: dict[str, Any], source: str) -> Settings | None:
         known = {
             "server", "database", "storage", "upstream", "leases", "jobs", "repositories",
-            "mirrors",
+            "mirrors", "admin",
         }  # fmt: skip
         for key in raw:
             if key not in known:
@@ -332,6 +337,8 @@ class _Parser:
             min_free=self.value(storage, "storage", "min_free", Size(), DEFAULT_MIN_FREE),
         )
 
+        admin = self.admin(raw)
+
         raw_repos = raw.get("repositories")
         if raw_repos is None:
             raw_repos = default_repositories()
@@ -379,6 +386,7 @@ class _Parser:
             tls=tls,
             database=database_settings,
             public_url=public_url,
+            admin=admin,
         )
 
     def database(self, database: dict[str, Any], database_url: str) -> DatabaseSettings:
@@ -445,7 +453,7 @@ class _Parser:
             f"repositories[{index}]",
             "repository",
             RESERVED_NAMES,
-            " (it becomes the first path segment), not healthz/readyz/metrics",
+            " (it becomes the first path segment), not healthz/readyz/metrics/ui/api",
         )
         if name is None:
             return None
@@ -666,6 +674,62 @@ class _Parser:
             return default
         parsed = kind.parse(table[name], f"{where}.{name}", self)
         return default if parsed is None else parsed
+
+    def admin(self, raw: dict[str, Any]) -> AdminSettings:
+        """``[admin]``: ``anonymous`` and ``[admin.users.<name>]`` with ``password`` or
+        ``password_sha256`` (Basic auth), and optionally ``token`` or ``token_sha256``."""
+        table = self.table(raw, "admin", {"anonymous", "users"})
+        anonymous = self.value(table, "admin", "anonymous", Choice(*ADMIN_ANONYMOUS), "none")
+        users: list[AdminUser] = []
+        raw_users = table.get("users", {})
+        if not isinstance(raw_users, dict):
+            self.error("admin.users", "must be a table of users: [admin.users.NAME]")
+            raw_users = {}
+        for name, raw_user in raw_users.items():
+            key = f"admin.users.{name}"
+            if not isinstance(raw_user, dict):
+                self.error(key, "must be a table with password (or password_sha256)")
+                continue
+            if not name or ":" in name or not name.isprintable():
+                self.error(key, "a user name must not be empty or contain ':'")
+                continue
+            allowed = {"password", "password_sha256", "token", "token_sha256"}
+            for sub in raw_user:
+                if sub not in allowed:
+                    self.error(
+                        f"{key}.{sub}", f"unknown key; expected one of {', '.join(sorted(allowed))}"
+                    )
+            errors_before = len(self.errors)
+            password = self.secret(raw_user, key, "password")
+            token = self.secret(raw_user, key, "token")
+            reported = len(self.errors) > errors_before or f"{key}.password" in self.unset_keys
+            if password is None and token is None and not reported:
+                self.error(f"{key}.password", "is required (or password_sha256, or a token)")
+            users.append(AdminUser(name=name, password_sha256=password, token_sha256=token))
+        return AdminSettings(anonymous=anonymous, users=tuple(users))
+
+    def secret(self, raw_user: dict[str, Any], key: str, name: str) -> str | None:
+        """``name`` (plain, hashed here) or ``name_sha256`` (64 hex digits): its digest."""
+        plain = self.value(raw_user, key, name, Text())
+        hashed = self.value(raw_user, key, f"{name}_sha256", Text())
+        if plain is not None and hashed is not None:
+            self.error(f"{key}.{name}", f"set {name} or {name}_sha256, not both")
+            return None
+        if hashed is not None:
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", hashed):
+                self.error(
+                    f"{key}.{name}_sha256",
+                    "is not a SHA-256 digest (64 hex digits; e.g. from "
+                    "`printf %s PASSWORD | sha256sum`)",
+                )
+                return None
+            return str(hashed).lower()
+        if plain is None:
+            return None
+        if not plain:
+            self.error(f"{key}.{name}", "must not be empty")
+            return None
+        return hashlib.sha256(plain.encode()).hexdigest()
 
     def tls(self, server: dict[str, Any], source: str) -> TlsSettings | None:
         """``tls_cert`` and ``tls_key``, both or neither; the pair must load (a wrong

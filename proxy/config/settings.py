@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from proxy.config.options import Hosts, Percent, Urls, options_of, toml_string
+from proxy.config.options import Hosts, Percent, Urls, options_of, toml_key, toml_string
 from proxy.redaction import redact
 from proxy.units import format_duration, format_size
 
@@ -77,6 +77,31 @@ class RepositorySettings(Generic[OptionsT]):
         """What an operator sets to give this repository an upstream (for messages)."""
         env_var = upstream_env_var(self.name)
         return f"repositories.{self.name}.upstream (or the environment variable {env_var})"
+
+
+ADMIN_ANONYMOUS = ("none", "read")
+
+
+@dataclass(frozen=True)
+class AdminUser:
+    """A user of the console and the admin API. Secrets are kept as SHA-256 digests
+    only (a plain ``password`` is hashed when the config loads)."""
+
+    name: str
+    password_sha256: str | None = None  # HTTP Basic
+    token_sha256: str | None = None  # Authorization: Bearer
+
+
+@dataclass(frozen=True)
+class AdminSettings:
+    """``[admin]``: who may use ``/ui/`` and ``/api/`` (docs/architecture.md,
+    "Operating: console, API and logs")."""
+
+    anonymous: str = "none"  # "read": the console and the API's reads open to anyone
+    users: tuple[AdminUser, ...] = ()
+
+    def user(self, name: str) -> AdminUser | None:
+        return next((u for u in self.users if u.name == name), None)
 
 
 @dataclass(frozen=True)
@@ -177,6 +202,7 @@ class Settings:
     access_log: bool = DEFAULT_ACCESS_LOG
     log_format: str = DEFAULT_LOG_FORMAT
     tls: TlsSettings | None = None
+    admin: AdminSettings = field(default_factory=AdminSettings)
 
     @property
     def base_url(self) -> str:
@@ -258,6 +284,17 @@ class Settings:
             f'retention_interval = "{format_duration(self.jobs.retention_interval_s)}"',
             f'evict_grace = "{format_duration(self.jobs.evict_grace_s)}"',
         ]
+        lines += ["[admin]", f"anonymous = {toml_string(self.admin.anonymous)}"]
+        if not self.admin.users:
+            lines.append("# no [admin.users]: /ui/ and /api/ answer 403 (read-only on loopback")
+            lines.append("# with the embedded defaults)")
+        for user in self.admin.users:
+            secrets = []
+            if user.password_sha256 is not None:
+                secrets.append('password = "***"')
+            if user.token_sha256 is not None:
+                secrets.append('token = "***"')
+            lines.append(f"users.{toml_key(user.name)} = {{ {', '.join(secrets)} }}")
         for repo in self.repositories:
             lines += ["", "[[repositories]]", f'name = "{repo.name}"', f'format = "{repo.format}"']
             if repo.proxies and repo.upstreams:

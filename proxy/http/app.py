@@ -20,6 +20,8 @@ from starlette.requests import Request as StarletteRequest
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from proxy import admin
+from proxy.admin.requests import AdminState
 from proxy.clock import SYSTEM_CLOCK, Clock
 from proxy.config.settings import Settings
 from proxy.contract import Request
@@ -96,7 +98,7 @@ def create_app(
                 ", ".join(f"/{r.name}/ ({r.format})" for r in settings.repositories),
             )
             try:
-                yield {"proxy": engine}
+                yield {"proxy": engine, "admin": AdminState.of(engine, settings)}
             finally:
                 shutdown.detach()
 
@@ -105,6 +107,7 @@ def create_app(
             Route("/healthz", healthz, methods=["GET", "HEAD"]),
             Route("/readyz", readyz, methods=["GET", "HEAD"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),
+            *admin.routes(),
             Route("/{path:path}", Dispatcher()),
         ],
         middleware=[Middleware(AccessLogMiddleware)],

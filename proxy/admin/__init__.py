@@ -1,0 +1,18 @@
+"""The operators' kit: the web console (``/ui/``) and the admin API (``/api/v1/``),
+each under a prefix of its own so a reverse proxy can guard them apart from the package
+routes (docs/architecture.md, "Operating: console, API and logs")."""
+
+from __future__ import annotations
+
+from starlette.responses import RedirectResponse
+from starlette.routing import BaseRoute, Mount, Route
+
+from proxy.admin import api, console
+
+
+def routes() -> list[BaseRoute]:
+    return [
+        Route("/ui", lambda request: RedirectResponse("/ui/", 308), methods=["GET", "HEAD"]),
+        Mount("/ui", routes=console.routes()),
+        Mount("/api", routes=api.routes()),
+    ]

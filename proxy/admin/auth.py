@@ -1,0 +1,191 @@
+"""Who may use the console (``/ui/``) and the admin API (``/api/``), and the checks
+that keep a browser from being used against them (docs/architecture.md, "Operating:
+console, API and logs").
+
+- **Users** are ``[admin.users.<name>]`` with a password (HTTP Basic) and/or a token
+  (``Authorization: Bearer``), compared as SHA-256 digests in constant time.
+- **No users**: 403 naming ``admin.users``, except that with the embedded defaults on a
+  loopback address the console's reads are open (a first look on one's own machine).
+  ``admin.anonymous = "read"`` opens the reads to anyone; writes always need a user.
+- **Wrong credentials** are logged and throttled (``runtime.throttle``): a known user's
+  wrong passwords lock that user, guesses of unknown names or tokens lock the client
+  address; 429 with Retry-After while locked.
+- **Cross-site requests**: a browser sends cached Basic credentials with any request,
+  so every write (any method but GET/HEAD) must come from our own origin (Origin, or
+  Referer, must match the Host; ``Sec-Fetch-Site: cross-site`` is refused), console
+  forms must carry the user's CSRF token, and API writes with Basic credentials must
+  be JSON (a cross-site form cannot send that without a CORS preflight we never grant).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import ipaddress
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from starlette.requests import Request
+
+from proxy.config.settings import AdminUser, Settings
+from proxy.runtime.throttle import FailureThrottle
+
+log = logging.getLogger("proxy.admin")
+
+REALM = "proxy admin"
+SAFE_METHODS = frozenset({"GET", "HEAD"})
+CSRF_FIELD = "csrf_token"
+CSRF_HEADER = "x-csrf-token"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: a user (``name``), or anyone (``name`` None, reads only)."""
+
+    name: str | None
+    scheme: str  # basic | bearer | anonymous
+    csrf_token: str = ""
+
+    @property
+    def can_write(self) -> bool:
+        return self.name is not None
+
+
+class Refused(Exception):
+    """An answer instead of the page: 401, 403 or 429, with a message."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AdminAuth:
+    def __init__(self, settings: Settings, throttle: FailureThrottle | None = None) -> None:
+        self.admin = settings.admin
+        self.throttle = throttle or FailureThrottle()
+        # A first look on one's own machine: no file, loopback only, reads only.
+        self.open_reads = self.admin.anonymous == "read" or (
+            settings.source == "embedded defaults" and loopback(settings.host)
+        )
+
+    def caller(self, request: Request) -> Caller:
+        """The caller of ``request``, or ``Refused``; writes are checked too."""
+        write = request.method not in SAFE_METHODS
+        authorization = request.headers.get("authorization")
+        client = request.client.host if request.client else "-"
+        if not self.admin.users:
+            if write or not self.open_reads:
+                raise Refused(
+                    403,
+                    "the console and the admin API need an admin user: add "
+                    "[admin.users.NAME] with password (or password_sha256) to the config "
+                    "(admin.users)" + ("; changes always need one" if self.open_reads else ""),
+                )
+            return Caller(None, "anonymous")
+        if authorization:
+            caller = self._authenticated(authorization, client)
+        elif self.open_reads and not write:
+            caller = Caller(None, "anonymous")
+        else:
+            raise self._challenge("log in as an admin user (admin.users)")
+        if write:
+            if not caller.can_write:
+                raise self._challenge("changes need an admin user (admin.users)")
+            check_same_origin(request)
+        return caller
+
+    def _authenticated(self, authorization: str, client: str) -> Caller:
+        scheme, _, credentials = authorization.partition(" ")
+        scheme = scheme.lower()
+        name = None
+        user: AdminUser | None = None
+        keys: tuple[str, ...]
+        if scheme == "basic":
+            try:
+                decoded = base64.b64decode(credentials.strip(), validate=True).decode()
+            except (binascii.Error, UnicodeDecodeError):
+                raise Refused(400, "the Basic credentials are not valid base64") from None
+            name, _, password = decoded.partition(":")
+            candidate = self.admin.user(name)
+            # A known user's wrong passwords lock that user (not the client address: a
+            # load balancer's would lock everyone out); guesses of unknown names lock the
+            # client that makes them.
+            keys = (f"user:{name}",) if candidate is not None else (f"client:{client}",)
+            self._check_throttle(keys)
+            if candidate is not None and _matches(password, candidate.password_sha256):
+                user = candidate
+        elif scheme == "bearer":
+            keys = (f"client:{client}",)
+            self._check_throttle(keys)
+            token = credentials.strip()
+            user = next((u for u in self.admin.users if _matches(token, u.token_sha256)), None)
+        else:
+            raise self._challenge(f"unsupported authorization scheme {scheme!r}; use Basic")
+        if user is None:
+            self.throttle.failed(*keys)
+            log.warning(
+                "admin login failed: scheme=%s user=%s client=%s", scheme, name or "-", client
+            )
+            raise self._challenge("wrong user name or password")
+        self.throttle.succeeded(*keys)
+        return Caller(user.name, scheme, csrf_token(user))
+
+    def _check_throttle(self, keys: tuple[str, ...]) -> None:
+        wait_s = self.throttle.retry_after(*keys)
+        if wait_s is not None:
+            raise Refused(
+                429,
+                "too many wrong passwords; try again later",
+                {"retry-after": str(max(1, int(wait_s + 0.999)))},
+            )
+
+    def _challenge(self, message: str) -> Refused:
+        return Refused(401, message, {"www-authenticate": f'Basic realm="{REALM}"'})
+
+
+def _matches(secret: str, sha256: str | None) -> bool:
+    if sha256 is None:
+        return False
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    return hmac.compare_digest(digest, sha256)
+
+
+def csrf_token(user: AdminUser) -> str:
+    """The user's token for console forms: derived from the user's secret, so every
+    replica of the fleet computes the same one and a changed password changes it; it
+    reveals nothing of the secret."""
+    key = (user.password_sha256 or user.token_sha256 or "").encode()
+    return hmac.new(key, f"csrf:{user.name}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def check_csrf(caller: Caller, given: str | None) -> None:
+    if not given or not hmac.compare_digest(given, caller.csrf_token):
+        raise Refused(403, "the form's CSRF token is missing or wrong; reload the page")
+
+
+def check_same_origin(request: Request) -> None:
+    """Refuse a write that a page of another origin made the browser send."""
+    if request.headers.get("sec-fetch-site") == "cross-site":
+        raise Refused(403, "cross-site requests may not change anything")
+    source = request.headers.get("origin") or request.headers.get("referer")
+    if not source or source == "null":
+        if source == "null":
+            raise Refused(403, "requests from an opaque origin may not change anything")
+        return  # not a browser (curl, scripts): nothing to protect against
+    host = request.headers.get("host", "")
+    if urlsplit(source).netloc.lower() != host.lower():
+        raise Refused(403, f"cross-origin requests may not change anything (from {source})")

@@ -1,0 +1,106 @@
+"""What the console and the API both do with a request: find the engine's admin state,
+check the caller, read a bounded body, and start a mirror run from what was asked."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from proxy.admin.auth import AdminAuth, Caller
+from proxy.admin.overview import Overview
+from proxy.config.settings import MIRROR_VERSIONS, Settings
+from proxy.engine import Engine
+from proxy.exceptions import BadRequest, ClientError
+from proxy.mirror.purls import parse_purl
+from proxy.mirror.sbom import purls_in_sbom
+from proxy.runtime.blocking import run_blocking
+
+BODY_MAX_BYTES = 16 * 1024 * 1024  # an SBOM of a large product fits
+MIRROR_PURLS_MAX = 100_000
+
+
+@dataclass
+class AdminState:
+    """What the console and the API need, built once in the lifespan."""
+
+    engine: Engine
+    overview: Overview
+    auth: AdminAuth
+
+    @classmethod
+    def of(cls, engine: Engine, settings: Settings) -> AdminState:
+        return cls(engine, Overview(engine), AdminAuth(settings))
+
+
+def admin_state(request: Request) -> AdminState:
+    state: AdminState = request.state.admin
+    return state
+
+
+def caller_of(request: Request) -> Caller:
+    return admin_state(request).auth.caller(request)
+
+
+async def read_body(request: Request, limit: int = BODY_MAX_BYTES) -> bytes:
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ClientError(f"the request body is over {limit} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@dataclass(frozen=True)
+class MirrorRequest:
+    purls: list[str]
+    versions: str
+    repository: str | None
+
+
+async def mirror_request(
+    engine: Engine, purls: Any, sbom: Any, versions: Any, repository: Any
+) -> MirrorRequest:
+    """A mirror run's request, validated: every purl parsed, the SBOM's read, the types
+    of the purls given mirrored by some repository here (else ``BadRequest`` naming
+    those that are)."""
+    if purls is None:
+        purls = []
+    if not isinstance(purls, list) or not all(isinstance(p, str) for p in purls):
+        raise BadRequest('purls must be a list of package URLs, e.g. ["pkg:pypi/requests"]')
+    found: list[str] = []
+    for text in purls:
+        try:
+            found.append(parse_purl(text).purl)
+        except ValueError as exc:
+            raise BadRequest(f"purls: {exc}") from None
+    given = list(found)
+    if sbom is not None:
+        if not isinstance(sbom, dict):
+            raise BadRequest("sbom must be a CycloneDX or SPDX JSON document (an object)")
+        try:
+            found += await run_blocking(lambda: purls_in_sbom(json.dumps(sbom).encode()))
+        except ValueError as exc:
+            raise BadRequest(f"sbom: {exc}") from None
+    if not found:
+        raise BadRequest('nothing to mirror: give "purls" or an "sbom" that lists some')
+    if len(found) > MIRROR_PURLS_MAX:
+        raise BadRequest(f"{len(found)} purls; at most {MIRROR_PURLS_MAX} per run")
+    versions = versions or "latest"
+    if versions not in MIRROR_VERSIONS:
+        raise BadRequest(f"versions must be one of {', '.join(MIRROR_VERSIONS)}")
+    if repository is not None and (
+        not isinstance(repository, str) or repository not in engine.mirrors.purl_types
+    ):
+        choices = ", ".join(engine.mirrors.purl_types) or "none is configured"
+        raise BadRequest(f"repository {repository!r} is not a repository that mirrors ({choices})")
+    # A purl given by name must be mirrorable; an SBOM lists every ecosystem of a
+    # product, and its purls of other types are skipped and counted by the run.
+    unsupported = engine.mirrors.unsupported(given, repository)
+    if unsupported:
+        raise BadRequest("; ".join(unsupported[:5]))
+    return MirrorRequest(list(dict.fromkeys(found)), versions, repository)
