@@ -29,16 +29,26 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--clients", type=int, default=20, help="clients of the 1 GiB miss")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, files)")
+    parser.add_argument(
+        "--access-log",
+        choices=["on", "off"],
+        default="on",
+        help="the proxy's access log (on by default, as shipped): compare its cost on hits",
+    )
+    parser.add_argument("--no-huge", action="store_true", help="skip the 1 GiB miss")
     args = parser.parse_args()
 
     work = workdir("hits")
     root = work / "upstream"
     make_file(root / SMALL, 11 * 1024)
     make_file(root / LARGE, 100 * 2**20)
-    make_file(root / HUGE, 2**30)
+    if not args.no_huge:
+        make_file(root / HUGE, 2**30)
     upstream, upstream_url = start_upstream(root, work)
     config = work / "proxy.toml"
     config.write_text(f"""
+[server]
+access_log = {"true" if args.access_log == "on" else "false"}
 [storage]
 path = "{work / "data"}"
 [[repositories]]
@@ -58,6 +68,8 @@ upstream = "{upstream_url}/simple/"
             f"p50 {small.get('p50_ms', 0):.2f} ms  p99 {small.get('p99_ms', 0):.2f} ms"
         )
         print(f"cached 100 MiB file: {large['bytes_s'] / 1e6:>9,.0f} MB/s")
+        if args.no_huge:
+            return
 
         httpx.get(f"{url}/pypi/simple/huge/", timeout=60)
         before, _ = rss_kib(proxy.pid)

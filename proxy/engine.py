@@ -41,6 +41,7 @@ from proxy.fetch.leases import LeaseCoordinator, make_holder_id
 from proxy.fleet import Counted, Heartbeat
 from proxy.http.responses import FormatResponses, HotBlobs
 from proxy.jobs import Job, Scheduler, standard_jobs
+from proxy.jobs.packages import PackageBackfill
 from proxy.mirror.runner import Mirrors, MirrorSource
 from proxy.runtime import metrics
 from proxy.runtime.blocking import CpuPool, install_io_executor, run_blocking
@@ -52,6 +53,7 @@ log = logging.getLogger("proxy.engine")
 
 ACCESS_FLUSH_INTERVAL_S = 5.0
 SHUTDOWN_TASK_TIMEOUT_S = 10.0
+PACKAGES_INTERVAL_S = 3600.0  # the package backfill: real work once, then one read a pass
 
 
 @dataclass
@@ -120,6 +122,9 @@ class Engine:
         jobs = standard_jobs(
             self.settings, self.catalog, self.blobs, self.cache, self.clock, self.size_limits
         )
+        if self.package_of:
+            backfill = PackageBackfill(self.catalog, self.package_of)
+            jobs.append(Job("packages", PACKAGES_INTERVAL_S, backfill.run))
         for mirror in self.settings.mirrors:
             jobs.append(Job(mirror.job_name, mirror.interval_s, self.mirrors.job(mirror)))
         return jobs

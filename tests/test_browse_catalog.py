@@ -138,3 +138,48 @@ async def test_keyset_pages_walk_the_whole_catalog_once(
     assert len(removed) == ENTRIES // PACKAGES
     assert await catalog.package_entries("pypi", "pkg00042", 10) == []
     assert (await catalog.purges_after(0))[-1].package == "pkg00042"
+
+
+@pytest.mark.anyio
+async def test_entries_stored_before_packages_were_recorded_get_theirs(
+    catalog: Catalog, database_url: str
+) -> None:
+    from proxy.formats.pypi import package_of
+    from proxy.jobs.packages import BATCH_ENTRIES, PackageBackfill
+
+    old = [
+        (
+            "pypi",
+            f"files/proj{i}/proj{i}-{i % 3}.0.tar.gz",
+            "immutable",
+            f"{i:064x}",
+            10,
+            i,
+            i,
+            None,
+            None,
+        )
+        for i in range(BATCH_ENTRIES + 5)
+    ] + [("pypi", "simple/#json", "metadata", "f" * 64, 10, 1, 1, None, None)]
+    if catalog.backend == "sqlite":
+        conn = sqlite3.connect(sqlite_path(database_url))
+        conn.create_function("clock_ms", 0, lambda: 0)
+        with conn:
+            conn.executemany(
+                f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                old,
+            )
+        conn.close()
+    else:
+        import asyncpg
+
+        conn = await asyncpg.connect(database_url)
+        await conn.copy_records_to_table("entries", records=old, columns=COLUMNS)
+        await conn.close()
+    backfill = PackageBackfill(catalog, {"pypi": package_of})
+    assert await backfill.run() == f"gave {BATCH_ENTRIES + 5} entries their package"
+    entries = await catalog.package_entries("pypi", "proj7", 10)
+    assert [(e.package, e.version) for e in entries] == [("proj7", "1.0")]
+    assert len(await catalog.delete_package("pypi", "proj1004")) == 1
+    assert await backfill.run() == "gave 0 entries their package"  # done: remembered
+    assert await catalog.unpackaged_entries("pypi", "", 10) == ["simple/#json"]

@@ -60,6 +60,12 @@ def browser(profile: Path, authorization: str | None) -> WebDriver:
     return driver
 
 
+def arrive(driver: WebDriver, title: str) -> None:
+    """Wait for the page a click or a form led to (a form's POST and redirect may still
+    be on their way when the click returns)."""
+    wait_until(f"the page {title!r}", lambda: driver.title.startswith(title))
+
+
 def basic(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
@@ -119,13 +125,14 @@ def test_the_console_in_a_real_browser(
 
         # Browse by package, down to one entry.
         driver.find_element(By.LINK_TEXT, "Browse").click()
-        assert driver.title.startswith("Browse")
+        arrive(driver, "Browse")
         packages = driver.find_element(By.ID, "packages").text
         assert "alpha" in packages and "beta" in packages
         screenshot(driver, shots, "browse")
         driver.find_element(By.LINK_TEXT, "alpha").click()
-        assert driver.title.startswith("alpha")
+        arrive(driver, "alpha")
         driver.find_element(By.PARTIAL_LINK_TEXT, "alpha-1.0.tar.gz").click()
+        arrive(driver, "files/alpha/alpha-1.0.tar.gz")
         entry = driver.find_element(By.ID, "entry").text
         assert "sha256" in entry and "/packages/alpha-1.0.tar.gz" in entry
         assert "no policy applies" in entry
@@ -133,12 +140,14 @@ def test_the_console_in_a_real_browser(
 
         # Purge a package from the console: the next request goes upstream.
         driver.find_element(By.LINK_TEXT, "Browse").click()
+        arrive(driver, "Browse")
         before = upstream.count("/packages/alpha-1.0.tar.gz")
         purge = next(
             form for form in driver.find_elements(By.CSS_SELECTOR, "form.purge-package")
             if form.find_element(By.NAME, "package").get_attribute("value") == "alpha"
         )  # fmt: skip
         purge.find_element(By.TAG_NAME, "button").click()
+        wait_until("the purge's notice", lambda: driver.find_elements(By.CLASS_NAME, "notice"))
         assert "purged alpha: 3 entries" in driver.find_element(By.CLASS_NAME, "notice").text
         assert "alpha" not in driver.find_element(By.ID, "packages").text
         httpx.get(f"{url}/pypi/files/alpha/alpha-1.0.tar.gz").raise_for_status()
@@ -146,10 +155,11 @@ def test_the_console_in_a_real_browser(
 
         # Start a mirror run from the console and watch it finish.
         driver.find_element(By.LINK_TEXT, "Jobs & mirrors").click()
+        arrive(driver, "Jobs & mirrors")
         assert "reclaim" in driver.find_element(By.ID, "jobs").text
         driver.find_element(By.ID, "purls").send_keys("pkg:pypi/beta@1.0\npkg:pypi/alpha@2.0")
         driver.find_element(By.CSS_SELECTOR, "#mirror-form button").click()
-        assert driver.title.startswith("Mirror run")
+        arrive(driver, "Mirror run")
         wait_until(
             "the run to finish",
             lambda: driver.refresh() or driver.find_element(By.ID, "run-state").text == "ok",
@@ -158,11 +168,14 @@ def test_the_console_in_a_real_browser(
         assert "1 fetched" in counts and "1 already cached" in counts  # alpha-2.0 was purged
         screenshot(driver, shots, "mirror-run")
         driver.find_element(By.LINK_TEXT, "Jobs & mirrors").click()
+        arrive(driver, "Jobs & mirrors")
         screenshot(driver, shots, "jobs")
 
         driver.find_element(By.LINK_TEXT, "In flight").click()
+        arrive(driver, "In flight")
         assert "Nothing is downloading" in driver.page_source
         driver.find_element(By.LINK_TEXT, "Install guide").click()
+        arrive(driver, "Install guide")
         guide = driver.find_element(By.TAG_NAME, "main").text
         assert f"{url}/pypi/simple/" in guide and "default = true" in guide
         assert "allowInsecureProtocol = true" in guide and f"{url}/maven/" in guide

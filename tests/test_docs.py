@@ -42,7 +42,7 @@ def test_the_example_loads_as_shipped_given_the_variables_it_names() -> None:
 def test_the_example_shows_true_defaults() -> None:
     example = load(EXAMPLE, {name: "placeholder" for name in example_variables()})
     defaults = load(None, {})
-    for section in ("upstream", "leases", "jobs", "storage"):
+    for section in ("upstream", "leases", "jobs", "storage", "database"):
         assert getattr(example, section) == getattr(defaults, section), section
     for name in ("host", "port", "workers", "access_log", "log_format", "tls", "storage_path"):
         assert getattr(example, name) == getattr(defaults, name), name

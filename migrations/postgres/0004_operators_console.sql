@@ -17,6 +17,10 @@ ALTER TABLE entries
 CREATE INDEX entries_by_package
     ON entries (repository, package COLLATE "C", key COLLATE "C") WHERE package IS NOT NULL;
 
+-- Repositories whose entries stored before the package column existed have all been
+-- given their package (the "packages" job does it once per repository).
+CREATE TABLE package_backfills (repository text PRIMARY KEY, done_at_ms bigint NOT NULL);
+
 -- Progress of a download, written by the holder with each renewal (no extra statement).
 ALTER TABLE fetch_leases
     ADD COLUMN written bigint,

@@ -9,6 +9,10 @@ ALTER TABLE entries ADD COLUMN version TEXT;
 ALTER TABLE entries ADD COLUMN upstream_url TEXT;
 CREATE INDEX entries_by_package ON entries (repository, package, key) WHERE package IS NOT NULL;
 
+-- Repositories whose entries stored before the package column existed have all been
+-- given their package (the "packages" job does it once per repository).
+CREATE TABLE package_backfills (repository TEXT PRIMARY KEY, done_at_ms INTEGER NOT NULL);
+
 -- Progress of a download, written by the holder with each renewal (no extra statement):
 -- bytes on disk so far and how many requests share it.
 ALTER TABLE fetch_leases ADD COLUMN written INTEGER;

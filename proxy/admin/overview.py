@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from proxy.catalog import EntrySummary, MirrorRun, Replica
+from proxy.catalog import EntrySummary, MirrorRun, Replica, StorageUsage
 from proxy.engine import Engine
 from proxy.exceptions import BadRequest, CatalogError, NotFound, describe_os_error
 from proxy.fleet import REPLICA_GONE_AFTER_S
@@ -44,6 +44,7 @@ class Overview:
         self.engine = engine
         self._usage: tuple[float, dict[str, tuple[int, int]]] | None = None
         self._usage_lock = asyncio.Lock()
+        self._totals: tuple[float, StorageUsage] | None = None
 
     # -- the fleet ------------------------------------------------------------------------
 
@@ -58,6 +59,14 @@ class Overview:
                 found[repo.name] = (usage.entries, usage.bytes)
             self._usage = (time.monotonic(), found)
             return found
+
+    async def _storage_totals(self) -> StorageUsage:
+        """The proxied/hosted/tombstoned totals, at most ``USAGE_CACHE_S`` old."""
+        if self._totals is not None and time.monotonic() - self._totals[0] < USAGE_CACHE_S:
+            return self._totals[1]
+        totals = await self.engine.catalog.storage_usage()
+        self._totals = (time.monotonic(), totals)
+        return totals
 
     async def replicas(self) -> list[dict[str, Any]]:
         return [_replica(r) for r in await self.engine.catalog.replicas()]
@@ -92,6 +101,8 @@ class Overview:
                     "upstreams": [redact(u) for u in repo.upstreams],
                     "configured": repo.name not in self.engine.not_configured,
                     "packages": repo.name in self.engine.package_of,
+                    # Proxied entries count toward storage.max_size (hosted ones do not).
+                    "shared_limit": repo.is_proxy,
                 }
             )
         return {"repositories": repositories}
@@ -105,7 +116,7 @@ class Overview:
         try:
             async with asyncio.timeout(DATABASE_CHECK_TIMEOUT_S):
                 await engine.catalog.ping()
-                totals = await engine.catalog.storage_usage()
+                totals = await self._storage_totals()
             database |= {"ok": True, "latency_ms": (time.perf_counter() - started) * 1000}
         except (CatalogError, TimeoutError) as exc:
             database |= {"ok": False, "error": redact(str(exc) or "timed out")}
@@ -334,7 +345,7 @@ class Overview:
         removed = await self.engine.catalog.delete_package(repository, package)
         for gone in removed:
             self.engine.cache.index.drop(repository, gone.key)
-        self._usage = None
+        self._usage = self._totals = None
         return {
             "repository": repository,
             "package": package,
@@ -347,7 +358,7 @@ class Overview:
         self.engine.cache.index.drop(repository, key)
         if not deleted:
             raise NotFound(f"no entry {key!r} in {repository}")
-        self._usage = None
+        self._usage = self._totals = None
         return {"repository": repository, "key": key, "deleted": 1}
 
     def _format(self, repository: str) -> str:

@@ -72,12 +72,8 @@ async def mirror_request(
         purls = []
     if not isinstance(purls, list) or not all(isinstance(p, str) for p in purls):
         raise BadRequest('purls must be a list of package URLs, e.g. ["pkg:pypi/requests"]')
-    found: list[str] = []
-    for text in purls:
-        try:
-            found.append(parse_purl(text).purl)
-        except ValueError as exc:
-            raise BadRequest(f"purls: {exc}") from None
+    # Thousands of purls take a while to parse: off the event loop.
+    found = await run_blocking(_canonical, purls) if len(purls) > 100 else _canonical(purls)
     given = list(found)
     if sbom is not None:
         if not isinstance(sbom, dict):
@@ -100,7 +96,17 @@ async def mirror_request(
         raise BadRequest(f"repository {repository!r} is not a repository that mirrors ({choices})")
     # A purl given by name must be mirrorable; an SBOM lists every ecosystem of a
     # product, and its purls of other types are skipped and counted by the run.
-    unsupported = engine.mirrors.unsupported(given, repository)
+    unsupported = await run_blocking(engine.mirrors.unsupported, given, repository)
     if unsupported:
         raise BadRequest("; ".join(unsupported[:5]))
     return MirrorRequest(list(dict.fromkeys(found)), versions, repository)
+
+
+def _canonical(purls: list[str]) -> list[str]:
+    found = []
+    for text in purls:
+        try:
+            found.append(parse_purl(text).purl)
+        except ValueError as exc:
+            raise BadRequest(f"purls: {exc}") from None
+    return found

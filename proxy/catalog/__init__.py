@@ -431,6 +431,20 @@ class Catalog(Protocol):
 
     async def purges_after(self, purge_id: int) -> list[Purge]: ...
 
+    async def unpackaged_entries(self, repository: str, after_key: str, limit: int) -> list[str]:
+        """Keys stored without a package (before packages were recorded), in key order."""
+        ...
+
+    async def set_packages(
+        self, repository: str, packages: dict[str, tuple[str, str | None]]
+    ) -> None:
+        """Give those keys their (package, version), where they still have none."""
+        ...
+
+    async def backfilled_repositories(self) -> set[str]: ...
+
+    async def record_backfill(self, repository: str) -> None: ...
+
     # -- the fleet ---------------------------------------------------------------------
     async def heartbeat(self, replica: Replica) -> int:
         """Record that ``replica`` is alive (and its counters); the newest purge id."""

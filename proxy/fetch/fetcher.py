@@ -167,6 +167,9 @@ class _Flight:
             self.transfer.fail(exc)
         if not self.answer.done():
             self.answer.set_exception(exc)
+            # Retrieved here: when every waiter has left (a client gone, a mirror run
+            # cancelled), nobody would, and asyncio would log it as lost at exit.
+            self.answer.exception()
 
 
 class Fetcher:

@@ -381,3 +381,23 @@ FROM mirror_runs ORDER BY id DESC LIMIT $1
 -- ($1 seconds): finished runs older than this.
 DELETE FROM mirror_runs
 WHERE finished_at_ms IS NOT NULL AND finished_at_ms < clock_ms() - ($1 * 1000)::bigint
+
+-- name: unpackaged_entries
+-- ($1 repository, $2 after this key, $3 most rows): keys stored without a package (by
+-- a version before packages were recorded), in key order.
+SELECT key FROM entries
+WHERE repository = $1 AND key > $2 AND package IS NULL AND kind <> 'hosted'
+ORDER BY key LIMIT $3
+
+-- name: set_packages
+-- $1: a JSON array of {"repository", "key", "package", "version"}.
+UPDATE entries AS e SET package = t.package, version = t.version
+FROM jsonb_to_recordset($1::jsonb) AS t(repository text, key text, package text, version text)
+WHERE e.repository = t.repository AND e.key = t.key AND e.package IS NULL
+
+-- name: record_backfill
+INSERT INTO package_backfills (repository, done_at_ms) VALUES ($1, clock_ms())
+ON CONFLICT (repository) DO NOTHING
+
+-- name: select_backfills
+SELECT repository FROM package_backfills

@@ -346,3 +346,25 @@ FROM mirror_runs ORDER BY id DESC LIMIT ?1
 -- (?1 seconds): finished runs older than this.
 DELETE FROM mirror_runs
 WHERE finished_at_ms IS NOT NULL AND finished_at_ms < clock_ms() - CAST(?1 * 1000 AS INTEGER)
+
+-- name: unpackaged_entries
+-- (?1 repository, ?2 after this key, ?3 most rows): keys stored without a package (by
+-- a version before packages were recorded), in key order.
+SELECT key FROM entries
+WHERE repository = ?1 AND key > ?2 AND package IS NULL AND kind <> 'hosted'
+ORDER BY key LIMIT ?3
+
+-- name: set_packages
+-- ?1: a JSON array of {"repository", "key", "package", "version"}.
+UPDATE entries SET package = t.package, version = t.version
+FROM (SELECT value ->> 'repository' AS repository, value ->> 'key' AS key,
+             value ->> 'package' AS package, value ->> 'version' AS version
+      FROM json_each(?1)) AS t
+WHERE entries.repository = t.repository AND entries.key = t.key AND entries.package IS NULL
+
+-- name: record_backfill
+INSERT INTO package_backfills (repository, done_at_ms) VALUES (?1, clock_ms())
+ON CONFLICT (repository) DO NOTHING
+
+-- name: select_backfills
+SELECT repository FROM package_backfills
