@@ -11,7 +11,9 @@
     │   ├── MethodNotAllowed   405, with the methods allowed
     │   ├── NotAcceptable      406: no representation the Accept header takes
     │   ├── RequestTimeout     408: a request body that stalled
+    │   ├── Conflict           409: not now, in the state it is (a finished mirror run)
     │   ├── PayloadTooLarge    413: over a repository's max_entry_size
+    │   ├── UnsupportedMediaType  415: a body not of the type the endpoint takes
     │   ├── UriTooLong         414
     │   └── HeadersTooLarge    431
     ├── NotSupported           501: an endpoint of the protocol the proxy does not offer
@@ -106,7 +108,15 @@ class RequestTimeout(ClientError):
     pass
 
 
+class Conflict(ClientError):
+    pass
+
+
 class PayloadTooLarge(ClientError):
+    pass
+
+
+class UnsupportedMediaType(ClientError):
     pass
 
 

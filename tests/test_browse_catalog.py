@@ -6,13 +6,14 @@ in order. (The figures on a million entries: bench/browse.py.)"""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
-from proxy.catalog import Catalog, sqlite_path
+from proxy.catalog import Catalog, Entry, open_catalog, sqlite_path
 from proxy.catalog.queries import load as load_queries
+from proxy.types import Kind
 
 ENTRIES = 60_000
 PACKAGES = 3_000
@@ -29,14 +30,25 @@ def rows(count: int) -> Iterator[tuple[Any, ...]]:
                f"{i:064x}", 1000 + i % 977, i, i, package, version)  # fmt: skip
 
 
-async def fill(catalog: Catalog, database_url: str) -> None:
+async def fill(
+    catalog: Catalog, database_url: str, records: list[tuple[Any, ...]] | None = None
+) -> None:
+    records = list(rows(ENTRIES)) if records is None else records
+    if catalog.backend == "memory":
+        for r in records:
+            await catalog.put_entry(Entry(
+                repository=r[0], key=r[1], kind=Kind(r[2]), sha256=r[3], size=r[4],
+                content_type=None, fetched_at_ms=r[5], expires_at_ms=None,
+                last_access_ms=r[6], package=r[7], version=r[8],
+            ))  # fmt: skip
+        return
     if catalog.backend == "sqlite":
         conn = sqlite3.connect(sqlite_path(database_url))
         conn.create_function("clock_ms", 0, lambda: 0)
         with conn:
             conn.executemany(
                 f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
-                rows(ENTRIES),
+                records,
             )
         conn.execute("ANALYZE")
         conn.close()
@@ -45,7 +57,7 @@ async def fill(catalog: Catalog, database_url: str) -> None:
 
     conn = await asyncpg.connect(database_url)
     try:
-        await conn.copy_records_to_table("entries", records=list(rows(ENTRIES)), columns=COLUMNS)
+        await conn.copy_records_to_table("entries", records=records, columns=COLUMNS)
         await conn.execute("ANALYZE entries")
     finally:
         await conn.close()
@@ -87,10 +99,22 @@ def no_scan(catalog: Catalog, text: str) -> bool:
     return "Seq Scan on entries" not in text and "Index" in text
 
 
+@pytest.fixture
+async def sql_catalog(database_url: str) -> AsyncIterator[Catalog]:
+    """SQLite and Postgres only: the plans are the databases'."""
+    opened = open_catalog(database_url)
+    await opened.migrate()
+    yield opened
+    await opened.close()
+
+
 @pytest.mark.anyio
-async def test_pages_searches_and_purges_use_indexes(catalog: Catalog, database_url: str) -> None:
+async def test_pages_searches_and_purges_use_indexes(
+    sql_catalog: Catalog, database_url: str
+) -> None:
+    catalog = sql_catalog
     await fill(catalog, database_url)
-    statements = [
+    statements: list[tuple[Any, ...]] = [
         ("browse_entries", "pypi", "files/pkg01500/", 51),
         ("search_entries", "pypi", "pkg02", "pkg02", "", 51),
         ("search_entries", "pypi", "pkg02", "pkg02500", "files/pkg02500/x", 51),
@@ -106,9 +130,9 @@ async def test_pages_searches_and_purges_use_indexes(catalog: Catalog, database_
 
 @pytest.mark.anyio
 async def test_keyset_pages_walk_the_whole_catalog_once(
-    catalog: Catalog, database_url: str
+    catalog: Catalog, catalog_backend: str
 ) -> None:
-    await fill(catalog, database_url)
+    await fill(catalog, catalog_backend)
     keys: list[str] = []
     after = ""
     while True:
@@ -142,7 +166,7 @@ async def test_keyset_pages_walk_the_whole_catalog_once(
 
 @pytest.mark.anyio
 async def test_entries_stored_before_packages_were_recorded_get_theirs(
-    catalog: Catalog, database_url: str
+    catalog: Catalog, catalog_backend: str
 ) -> None:
     from proxy.formats.pypi import package_of
     from proxy.jobs.packages import BATCH_ENTRIES, PackageBackfill
@@ -161,21 +185,7 @@ async def test_entries_stored_before_packages_were_recorded_get_theirs(
         )
         for i in range(BATCH_ENTRIES + 5)
     ] + [("pypi", "simple/#json", "metadata", "f" * 64, 10, 1, 1, None, None)]
-    if catalog.backend == "sqlite":
-        conn = sqlite3.connect(sqlite_path(database_url))
-        conn.create_function("clock_ms", 0, lambda: 0)
-        with conn:
-            conn.executemany(
-                f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
-                old,
-            )
-        conn.close()
-    else:
-        import asyncpg
-
-        conn = await asyncpg.connect(database_url)
-        await conn.copy_records_to_table("entries", records=old, columns=COLUMNS)
-        await conn.close()
+    await fill(catalog, catalog_backend, old)
     backfill = PackageBackfill(catalog, {"pypi": package_of})
     assert await backfill.run() == f"gave {BATCH_ENTRIES + 5} entries their package"
     entries = await catalog.package_entries("pypi", "proj7", 10)

@@ -160,10 +160,12 @@ def test_the_console_in_a_real_browser(
         driver.find_element(By.ID, "purls").send_keys("pkg:pypi/beta@1.0\npkg:pypi/alpha@2.0")
         driver.find_element(By.CSS_SELECTOR, "#mirror-form button").click()
         arrive(driver, "Mirror run")
-        wait_until(
-            "the run to finish",
-            lambda: driver.refresh() or driver.find_element(By.ID, "run-state").text == "ok",
-        )
+
+        def finished() -> bool:
+            driver.refresh()
+            return driver.find_element(By.ID, "run-state").text == "ok"
+
+        wait_until("the run to finish", finished)
         counts = driver.find_element(By.ID, "run-counts").text
         assert "1 fetched" in counts and "1 already cached" in counts  # alpha-2.0 was purged
         screenshot(driver, shots, "mirror-run")

@@ -21,8 +21,8 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin.auth import Caller, Refused
 from proxy.admin.openapi import openapi_document
 from proxy.admin.overview import PAGE_SIZE_DEFAULT
-from proxy.admin.requests import admin_state, caller_of, mirror_request, read_body
-from proxy.exceptions import BadRequest, CatalogError, ClientError, ProxyError
+from proxy.admin.requests import Failure, admin_state, caller_of, mirror_request, read_body
+from proxy.exceptions import BadRequest, Conflict, NotFound, ProxyError, UnsupportedMediaType
 from proxy.redaction import redact
 from proxy.runtime.blocking import run_blocking
 
@@ -53,19 +53,13 @@ def endpoint(handler: Endpoint) -> Callable[[Request], Awaitable[Response]]:
                 != "application/json"
             ):
                 # A cross-site form can send Basic credentials, but not JSON.
-                raise ClientError("send the body as application/json", status=415)
+                raise UnsupportedMediaType("send the body as application/json")
             result = await handler(request, caller)
         except Refused as exc:
             return problem(exc.status, exc.message, exc.headers)
-        except ClientError as exc:
-            return problem(exc.status, str(exc))
-        except CatalogError as exc:
-            log.error("admin API: catalog error: %s", exc)
-            return problem(
-                503, "the cache database is unavailable; try again", {"retry-after": "5"}
-            )
-        except ProxyError as exc:  # shutting down, storage errors: ours, not the client's
-            return problem(503, str(exc), {"retry-after": "5"})
+        except ProxyError as exc:
+            failure = Failure.of(exc)
+            return problem(failure.status, failure.message, failure.headers)
         if isinstance(result, Response):
             return result
         return answer(result)
@@ -200,7 +194,7 @@ async def cancel_mirror_run(request: Request, caller: Caller) -> Any:
     run_id = _run_id(request)
     run = await state.overview.mirror_run(run_id)  # NotFound for an unknown id
     if run["state"] != "running":
-        raise ClientError(f"mirror run {run_id} is {run['state']}, not running", status=409)
+        raise Conflict(f"mirror run {run_id} is {run['state']}, not running")
     await state.engine.catalog.cancel_mirror_run(run_id)
     log.info("mirror run %d: cancellation asked (by %s)", run_id, caller.name)
     return answer({**run, "cancel_requested": True}, 202)
@@ -232,7 +226,4 @@ def routes() -> list[BaseRoute]:
 
 
 async def not_found(request: Request, caller: Caller) -> Any:
-    raise ClientError(
-        f"no API endpoint {request.method} {request.url.path}; see /api/v1/openapi.json",
-        status=404,
-    )
+    raise NotFound(f"no API endpoint {request.method} {request.url.path}; see /api/v1/openapi.json")

@@ -24,8 +24,8 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin.auth import CSRF_FIELD, Caller, Refused, check_csrf
 from proxy.admin.install import client_guides
 from proxy.admin.overview import PAGE_SIZE_DEFAULT
-from proxy.admin.requests import admin_state, caller_of, mirror_request, read_body
-from proxy.exceptions import CatalogError, ClientError, ProxyError
+from proxy.admin.requests import Failure, admin_state, caller_of, mirror_request, read_body
+from proxy.exceptions import Conflict, NotFound, ProxyError
 from proxy.redaction import redact
 from proxy.units import human_size
 
@@ -122,18 +122,14 @@ def page(handler: Page) -> Callable[[Request], Awaitable[Response]]:
             )
             response.headers.update(exc.headers)
             return response
-        except ClientError as exc:
-            return render(
-                request, caller, "error.html", exc.status, status=exc.status, message=str(exc)
-            )
-        except CatalogError as exc:
-            log.error("console: catalog error: %s", exc)
-            return render(
-                request, caller, "error.html", 503, status=503,
-                message="the cache database is unavailable; try again",
+        except ProxyError as exc:
+            failure = Failure.of(exc)
+            response = render(
+                request, caller, "error.html", failure.status,
+                status=failure.status, message=failure.message,
             )  # fmt: skip
-        except ProxyError as exc:  # shutting down, storage errors
-            return render(request, caller, "error.html", 503, status=503, message=str(exc))
+            response.headers.update(failure.headers)
+            return response
 
     return run
 
@@ -184,14 +180,14 @@ async def in_flight(request: Request, caller: Caller) -> Response:
 async def jobs(request: Request, caller: Caller) -> Response:
     state = admin_state(request)
     found = await state.overview.jobs()
-    mirrorable = list(state.engine.mirrors.purl_types)
+    mirrorable = list(state.engine.mirrors.sources)
     return render(request, caller, "jobs.html", mirrorable=mirrorable, **found)
 
 
 async def mirror_run(request: Request, caller: Caller) -> Response:
     text = request.path_params["run_id"]
     if not text.isdigit():
-        raise ClientError(f"{text!r} is not a mirror run id", status=404)
+        raise NotFound(f"{text!r} is not a mirror run id")
     run = await admin_state(request).overview.mirror_run(int(text))
     return render(
         request, caller, "mirror_run.html", run=run,
@@ -218,10 +214,10 @@ async def cancel_mirror_run(request: Request, caller: Caller) -> Response:
     await form_of(request, caller)
     text = request.path_params["run_id"]
     if not text.isdigit():
-        raise ClientError(f"{text!r} is not a mirror run id", status=404)
+        raise NotFound(f"{text!r} is not a mirror run id")
     run_id = int(text)
     if not await state.engine.catalog.cancel_mirror_run(run_id):
-        raise ClientError(f"mirror run {run_id} is not running", status=409)
+        raise Conflict(f"mirror run {run_id} is not running")
     log.info("mirror run %d: cancellation asked from the console (by %s)", run_id, caller.name)
     return back(f"/mirror-runs/{run_id}", f"cancellation of run {run_id} asked")
 
@@ -301,7 +297,7 @@ async def install(request: Request, caller: Caller) -> Response:
 
 
 async def not_found(request: Request, caller: Caller) -> Response:
-    raise ClientError(f"no console page {request.url.path}", status=404)
+    raise NotFound(f"no console page {request.url.path}")
 
 
 def routes() -> list[BaseRoute]:

@@ -102,7 +102,7 @@ class Overview:
                     "configured": repo.name not in self.engine.not_configured,
                     "packages": repo.name in self.engine.package_of,
                     # Proxied entries count toward storage.max_size (hosted ones do not).
-                    "shared_limit": repo.is_proxy,
+                    "shared_limit": bool(repo.upstreams) or repo.name in self.engine.not_configured,
                 }
             )
         return {"repositories": repositories}

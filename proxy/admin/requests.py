@@ -4,6 +4,7 @@ check the caller, read a bounded body, and start a mirror run from what was aske
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,10 +14,13 @@ from proxy.admin.auth import AdminAuth, Caller
 from proxy.admin.overview import Overview
 from proxy.config.settings import MIRROR_VERSIONS, Settings
 from proxy.engine import Engine
-from proxy.exceptions import BadRequest, ClientError
+from proxy.exceptions import BadRequest, PayloadTooLarge, ProxyError
+from proxy.http.errors import rule_for
 from proxy.mirror.purls import parse_purl
 from proxy.mirror.sbom import purls_in_sbom
 from proxy.runtime.blocking import run_blocking
+
+log = logging.getLogger("proxy.admin")
 
 BODY_MAX_BYTES = 16 * 1024 * 1024  # an SBOM of a large product fits
 MIRROR_PURLS_MAX = 100_000
@@ -50,9 +54,31 @@ async def read_body(request: Request, limit: int = BODY_MAX_BYTES) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ClientError(f"the request body is over {limit} bytes", status=413)
+            raise PayloadTooLarge(f"the request body is over {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the console or the API answers for an error: status, message, headers,
+    from the one error table (``http/errors.py``), logged as it says."""
+
+    status: int
+    message: str
+    headers: dict[str, str]
+
+    @classmethod
+    def of(cls, exc: ProxyError) -> Failure:
+        rule = rule_for(exc)
+        if rule.level is not None:
+            log.log(rule.level, "admin: %s: %s", type(exc).__name__, exc)
+        if rule.public is None:
+            message = str(exc)
+        else:
+            message = rule.public if isinstance(rule.public, str) else rule.public(exc)
+        headers = dict(rule.headers(exc)) if rule.headers else {}
+        return cls(rule.status, message, headers)
 
 
 @dataclass(frozen=True)
@@ -90,9 +116,9 @@ async def mirror_request(
     if versions not in MIRROR_VERSIONS:
         raise BadRequest(f"versions must be one of {', '.join(MIRROR_VERSIONS)}")
     if repository is not None and (
-        not isinstance(repository, str) or repository not in engine.mirrors.purl_types
+        not isinstance(repository, str) or repository not in engine.mirrors.sources
     ):
-        choices = ", ".join(engine.mirrors.purl_types) or "none is configured"
+        choices = ", ".join(engine.mirrors.sources) or "none is configured"
         raise BadRequest(f"repository {repository!r} is not a repository that mirrors ({choices})")
     # A purl given by name must be mirrorable; an SBOM lists every ecosystem of a
     # product, and its purls of other types are skipped and counted by the run.

@@ -348,26 +348,6 @@ class SqlCatalog:
     async def record_backfill(self, repository: str) -> None:
         await self._execute("record_backfill", repository)
 
-    async def unpackaged_entries(self, repository: str, after_key: str, limit: int) -> list[str]:
-        rows = await self._fetch("unpackaged_entries", repository, after_key, int(limit))
-        return [r[0] for r in rows]
-
-    async def set_packages(
-        self, repository: str, packages: dict[str, tuple[str, str | None]]
-    ) -> None:
-        if packages:
-            batch = [
-                {"repository": repository, "key": key, "package": package, "version": version}
-                for key, (package, version) in packages.items()
-            ]
-            await self._execute("set_packages", json.dumps(batch))
-
-    async def backfilled_repositories(self) -> set[str]:
-        return {r[0] for r in await self._fetch("select_backfills")}
-
-    async def record_backfill(self, repository: str) -> None:
-        await self._execute("record_backfill", repository)
-
     # -- the fleet -------------------------------------------------------------------------
 
     async def heartbeat(self, replica: Replica) -> int:
