@@ -222,7 +222,7 @@ def test_openapi_describes_every_route() -> None:
     }
     served = set()
     for route in api.routes():
-        path = "/api" + route.path.replace("{path:path}", "{path}")  # type: ignore[attr-defined]
+        path = "/api" + route.path.replace("{path:path}", "{path}").replace(":path}", "}")  # type: ignore[attr-defined]
         if "{rest" in path:
             continue
         for method in route.methods - {"HEAD"}:  # type: ignore[attr-defined]
@@ -340,3 +340,17 @@ def test_no_answer_shows_a_secret(
         assert "upstream-s3cret" not in body
         assert AUTH[1] not in body and TOKEN not in body
     assert "***@" in bodies[0]  # the configured upstream, shown without its password
+
+
+def test_package_names_with_a_slash(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """npm's scoped packages (``@scope/name``) are one package, in the API and the console."""
+    from proxy.formats.npm import package_of
+
+    assert package_of("@babel/core/-/core-7.24.0.tgz") is not None
+    proxy = start_proxy(load(admin_config(tmp_path, upstream.base_url), {}))
+    with client(proxy.url) as api_client:
+        missing = api_client.get("/api/v1/packages/pypi/@scope/name")
+        assert missing.status_code == 404 and "@scope/name" in missing.json()["error"]
+        assert api_client.delete("/api/v1/packages/pypi/@scope%2Fname").json()["deleted"] == 0

@@ -216,8 +216,10 @@ def routes() -> list[BaseRoute]:
         Route("/v1/entries/{repository}/{path:path}", endpoint(entry), methods=["GET"]),
         Route("/v1/entries/{repository}/{path:path}", endpoint(delete_entry), methods=["DELETE"]),
         Route("/v1/packages", endpoint(packages), methods=["GET"]),
-        Route("/v1/packages/{repository}/{package}", endpoint(package), methods=["GET"]),
-        Route("/v1/packages/{repository}/{package}", endpoint(delete_package), methods=["DELETE"]),
+        Route("/v1/packages/{repository}/{package:path}", endpoint(package), methods=["GET"]),
+        Route(
+            "/v1/packages/{repository}/{package:path}", endpoint(delete_package), methods=["DELETE"]
+        ),
         Route("/v1/mirror-runs", endpoint(start_mirror_run), methods=["POST"]),
         Route("/v1/mirror-runs/{run_id}", endpoint(mirror_run), methods=["GET"]),
         Route("/v1/mirror-runs/{run_id}", endpoint(cancel_mirror_run), methods=["DELETE"]),

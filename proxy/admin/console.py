@@ -310,7 +310,7 @@ def routes() -> list[BaseRoute]:
         Route("/mirror-runs/{run_id}", page(mirror_run), methods=["GET", "HEAD"]),
         Route("/mirror-runs/{run_id}/cancel", page(cancel_mirror_run), methods=["POST"]),
         Route("/browse", page(browse), methods=["GET", "HEAD"]),
-        Route("/packages/{repository}/{package}", page(package), methods=["GET", "HEAD"]),
+        Route("/packages/{repository}/{package:path}", page(package), methods=["GET", "HEAD"]),
         Route("/entries/{repository}/{path:path}", page(entry), methods=["GET", "HEAD"]),
         Route("/purge-package", page(purge_package), methods=["POST"]),
         Route("/purge-entry", page(purge_entry), methods=["POST"]),

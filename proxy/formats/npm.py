@@ -52,6 +52,8 @@ from proxy.contract import (
     NotSupported,
     OriginContext,
     PackageRef,
+    Packages,
+    PackageVersion,
     ProxyContext,
     Proxying,
     RepositorySettings,
@@ -120,7 +122,7 @@ class PackageName:
         return quote(self.name, safe="@")
 
     def tarball_key(self, filename: str) -> str:
-        return f"{self.name}/-/{filename}"
+        return f"{self.name}{TARBALL_SEPARATOR}{filename}"
 
     @classmethod
     def parse(cls, name: str) -> PackageName:
@@ -575,10 +577,30 @@ async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
 
+TARBALL_SEPARATOR = "/-/"
+
+
+def package_of(key: str) -> PackageVersion | None:
+    """``packument/<name>#...`` -> the package; ``<name>/-/<unscoped>-<version>.tgz`` ->
+    the package and the version its file name states."""
+    if key.startswith("packument/"):
+        name = key[len("packument/") :].partition("#")[0]
+        return PackageVersion(name) if name else None
+    name, separator, filename = key.partition(TARBALL_SEPARATOR)
+    if not separator or not name:
+        return None
+    prefix = name.rpartition("/")[2] + "-"
+    version = None
+    if filename.startswith(prefix) and filename.endswith(".tgz"):
+        version = filename[len(prefix) : -len(".tgz")] or None
+    return PackageVersion(name, version)
+
+
 FORMAT = FormatPlugin(
     name="npm",
     options=NpmOptions,
     proxying=Proxying(build=NpmRepository, max_upstreams=1),
     mirroring=Mirroring(purl_types=("npm",), keys=NpmRepository.mirror),
+    packages=Packages(of=package_of),
     default_repository={"name": "npm", "format": "npm"},
 )
