@@ -292,6 +292,65 @@ class Checks:
             raise AssertionError(f"ci's PUT {written.status_code}, then GET {read.status_code}")
         return "anonymous PUT 401, ci PUT 201, anonymous GET 200"
 
+    def put_with_expect(self, path: str, length: int, user: str | None) -> tuple[bytes, bool]:
+        """A PUT with ``Expect: 100-continue``, on a raw socket: (the first answer's
+        status line, whether the body was sent). The body goes only after a 100."""
+        import base64
+        import socket
+
+        host, port = self.stack.lb.removeprefix("http://").rsplit(":", 1)
+        head = f"PUT {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {length}\r\n"
+        head += "Expect: 100-continue\r\nConnection: close\r\n"
+        if user is not None:
+            token = base64.b64encode(f"{user}".encode()).decode()
+            head += f"Authorization: Basic {token}\r\n"
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall((head + "\r\n").encode())
+            answer = sock.recv(4096)
+            sent = False
+            if answer.startswith(b"HTTP/1.1 100"):
+                sock.sendall(b"x" * length)
+                sent = True
+                answer = answer.split(b"\r\n\r\n", 1)[1] or sock.recv(4096)
+            return answer.split(b"\r\n", 1)[0], sent
+
+    def uploads_decided_before_the_body(self) -> str:
+        """(i) nginx answers Expect: 100-continue itself: a PUT with wrong credentials or
+        too large an entry is refused before its body is sent; a good one is taken."""
+        path = f"/gradle-cache/deploy-test-expect-{time.monotonic_ns()}"
+        wrong, wrong_sent = self.put_with_expect(path, 50_000_000, "ci:wrong-password")
+        anonymous, anonymous_sent = self.put_with_expect(path, 50_000_000, None)
+        password = f"ci:{self.stack.gradle_password}"
+        too_big, too_big_sent = self.put_with_expect(path, 150_000_000, password)
+        good, good_sent = self.put_with_expect(path, 1000, password)
+        if not wrong.startswith(b"HTTP/1.1 401") or wrong_sent:
+            raise AssertionError(f"wrong password: {wrong!r}, body sent: {wrong_sent}")
+        if not anonymous.startswith(b"HTTP/1.1 401") or anonymous_sent:
+            raise AssertionError(f"anonymous: {anonymous!r}, body sent: {anonymous_sent}")
+        if not too_big.startswith(b"HTTP/1.1 413") or too_big_sent:
+            raise AssertionError(f"150 MB: {too_big!r}, body sent: {too_big_sent}")
+        if not good.startswith(b"HTTP/1.1 201") or not good_sent:
+            raise AssertionError(f"ci's 1 KB PUT: {good!r}, body sent: {good_sent}")
+        return "wrong password 401 and anonymous 401 before the body; 150 MB 413 before it; ci 100 then 201"
+
+    def lb_cache_key(self) -> str:
+        """(j) The LB caches a file once, whatever the Host and the query string."""
+        stack = self.stack
+        wheel = stack.packages["dt-gamma"]
+        url = file_url(stack.lb, wheel)
+        self.get(f"{stack.lb}/pypi/simple/dt-gamma/").raise_for_status()
+        self.get(url).raise_for_status()  # the miss: stored by the replica, then the LB
+        statuses = []
+        for i in range(12):
+            for query in ("", f"?v={i}"):
+                response = self.get(url + query, headers={"Host": f"mirror{i}.example"})
+                if response.content != wheel.read_bytes():
+                    raise AssertionError("the LB answered other bytes than the wheel")
+                statuses.append(response.headers.get("x-cache-status", "none"))
+        if set(statuses[1:]) != {"HIT"}:
+            raise AssertionError(f"X-Cache-Status under 12 hosts x 2 queries: {statuses}")
+        return f"{len(statuses)} GETs under 12 Host names and query strings: {statuses.count('HIT')} HITs"
+
     def lb_cache(self) -> str:
         """(g) The LB caches immutable files (when the proxy marks them so)."""
         stack = self.stack
@@ -359,6 +418,10 @@ def main() -> int:
         checks.check(
             "(h) the build cache takes writes from its user only", checks.build_cache_writes
         )
+        checks.check(
+            "(i) uploads are decided before their body", checks.uploads_decided_before_the_body
+        )
+        checks.check("(j) the LB caches a file once by its path", checks.lb_cache_key)
         checks.check("(c) Prometheus sees every replica", checks.prometheus_targets)
         checks.check("(d) a replica stopped: the LB keeps serving", checks.replica_stopped)
         checks.check(

@@ -593,8 +593,10 @@ class FormatPlugin(Generic[OptionsT, AdapterT]):
     hosting: Hosting[OptionsT, AdapterT] | None = None
     mirroring: Mirroring[AdapterT] | None = None
     packages: Packages | None = None  # browsing and purging by package
-    # Served when the config has no [[repositories]] at all (None: not served by default).
-    default_repository: Mapping[str, Any] | None = None
+    # Served when the config has no [[repositories]] at all (None: not served by default):
+    # its table, or a function of the listen host giving it (what is safe on loopback
+    # may not be on every address).
+    default_repository: Mapping[str, Any] | Callable[[str], Mapping[str, Any]] | None = None
     # Checks across options: (key, message) pairs, key relative to the repository.
     validate: Callable[[OptionsT], Iterable[tuple[str, str]]] | None = None
     # Start-up warnings for an operator: (repository, listen host) -> messages.

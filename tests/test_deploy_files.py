@@ -467,3 +467,19 @@ def test_the_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
         [tool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_nginx_keys_its_cache_on_the_path_and_asks_before_build_cache_uploads() -> None:
+    # Issue 18: one file under 12 hostnames and 12 query strings filled the LB cache 26
+    # times; nginx answered Expect: 100-continue itself, so a client uploaded 150 MB
+    # before its 401/413.
+    directives = nginx_directives()
+    assert "proxy_cache_key $uri" in directives
+    assert "auth_request /_upload_check" in directives
+    assert "proxy_set_header X-Upload-Check $content_length" in directives
+    assert "proxy_method HEAD" in directives
+    sizes = [d.split()[1] for d in directives if d.startswith("client_max_body_size ")]
+    assert "100m" in sizes  # the build cache's location
+    config = tomllib.loads((DEPLOY / "proxy.toml").read_text())
+    cache = next(r for r in config["repositories"] if r["format"] == "gradle-build-cache")
+    assert cache["max_entry_size"] == "100MiB"  # = nginx's 100m (a mebibyte there)

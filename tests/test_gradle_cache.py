@@ -268,3 +268,61 @@ def test_the_engine_counts_every_upload_stored_or_refused(cache_proxy: ServerThr
         "forbidden": 1,
         "too_large": 2,
     }
+
+
+def test_an_upload_check_answers_what_the_put_would_get_without_a_body(
+    cache_proxy: ServerThread,
+) -> None:
+    # What deploy/nginx.conf asks (auth_request) before it answers Expect: 100-continue.
+    key = "checked-key"
+
+    def check(auth: tuple[str, str] | None, length: str) -> httpx.Response:
+        return httpx.head(url(cache_proxy, key), auth=auth, headers={"X-Upload-Check": length})
+
+    anonymous = check(None, "10")
+    assert anonymous.status_code == 401 and "basic" in anonymous.headers["www-authenticate"].lower()
+    assert check(("ci", "wrong"), "10").status_code == 401
+    assert check(READER, "10").status_code == 403
+    assert check(CI, "2000000").status_code == 413  # over max_entry_size (1MB)
+    assert check(CI, "10").status_code == 204
+    assert check(CI, "").status_code == 204  # no length declared: decided as it arrives
+    assert httpx.get(url(cache_proxy, key)).status_code == 404  # a check stores nothing
+
+
+def test_with_no_configuration_only_loopback_may_push_to_the_build_cache() -> None:
+    # Issue 18: the Docker image with no configuration listened on all addresses and
+    # took anonymous build-cache writes, with only a warning.
+    exposed = load(None, {"PROXY_LISTEN": "0.0.0.0:8080"}).repository("gradle-cache")
+    local = load(None, {"PROXY_LISTEN": "127.0.0.1:8080"}).repository("gradle-cache")
+    assert exposed is not None and exposed.options.anonymous == "read"
+    assert local is not None and local.options.anonymous == "write"
+
+
+@pytest.mark.slow
+def test_an_exposed_build_cache_nobody_may_write_to_says_so_at_start(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.pg import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--listen", f"0.0.0.0:{port}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        ready = False
+        while time.monotonic() < deadline and not ready:
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert ready
+        put = httpx.put(f"http://127.0.0.1:{port}/gradle-cache/k1", content=b"x")
+        assert put.status_code == 401
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=30)[0].decode()
+    assert "takes no uploads" in output and 'role = "write"' in output

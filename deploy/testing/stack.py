@@ -237,12 +237,14 @@ def make_wheel(
 
 
 def make_packages(folder: Path) -> dict[str, Path]:
-    """dt-alpha (needs dt-beta), dt-beta, and dt-big (1 MiB, for measurements)."""
+    """dt-alpha (needs dt-beta), dt-beta, dt-big (1 MiB, for measurements) and dt-gamma
+    (for the LB cache key: fetched by no other check)."""
     folder.chmod(0o755)
     return {
         "dt-alpha": make_wheel(folder, "dt-alpha", "1.0", ["dt-beta"]),
         "dt-beta": make_wheel(folder, "dt-beta", "1.0", payload=20_000),
         "dt-big": make_wheel(folder, "dt-big", "1.0", payload=1024 * 1024),
+        "dt-gamma": make_wheel(folder, "dt-gamma", "1.0", payload=5_000),
     }
 
 

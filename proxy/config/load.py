@@ -150,13 +150,17 @@ def load(
     return settings
 
 
-def default_repositories() -> list[dict[str, Any]]:
-    """What runs with no [[repositories]]: each format's default repository, if it has one."""
-    return [
-        dict(plugin.default_repository)
-        for plugin in map(formats.plugin, formats.REGISTRY)
-        if plugin.default_repository is not None
-    ]
+def default_repositories(listen_host: str) -> list[dict[str, Any]]:
+    """What runs with no [[repositories]]: each format's default repository, if it has one
+    (for this listen host: a format may offer less to every address than to loopback)."""
+    found = []
+    for plugin in map(formats.plugin, formats.REGISTRY):
+        default = plugin.default_repository
+        if callable(default):
+            default = default(listen_host)
+        if default is not None:
+            found.append(dict(default))
+    return found
 
 
 class _Parser:
@@ -341,7 +345,7 @@ class _Parser:
 
         raw_repos = raw.get("repositories")
         if raw_repos is None:
-            raw_repos = default_repositories()
+            raw_repos = default_repositories(host)
         if not isinstance(raw_repos, list):
             self.error("repositories", "must be an array of tables ([[repositories]])")
             raw_repos = []

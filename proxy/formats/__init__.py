@@ -99,6 +99,8 @@ def _problems(candidate: object, name: str) -> Iterator[str]:
     if plugin.packages is not None:
         yield from _callable_problems(plugin.packages.of, "packages.of", positional=1)
     default = plugin.default_repository
+    if callable(default):
+        default = default("127.0.0.1")
     if default is not None and default.get("format") != name:
         yield f"default_repository must say format = {name!r}"
 

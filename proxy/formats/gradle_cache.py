@@ -6,6 +6,11 @@ Content-Length against ``max_entry_size`` (413, so a client sending
 ``Expect: 100-continue`` never sends the body). A body without Content-Length is cut
 off with 413 at the limit and nothing is stored. A 2xx is sent only once the entry is
 durable: the file fsynced and the catalog row committed.
+
+A load balancer that answers ``Expect: 100-continue`` itself (nginx does) would let the
+body come before our 401: it asks first, with a HEAD carrying ``X-Upload-Check`` (the
+PUT's length), which gets the PUT's answer without a body (204 when it would be taken).
+With no configuration, anonymous clients may write on loopback only.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import ipaddress
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,6 +44,9 @@ from proxy.contract import (
 )
 
 CONTENT_TYPE = "application/vnd.gradle.build-cache-artifact.v2"
+# A HEAD with this header asks "would a PUT of this key be taken?" (its value: the PUT's
+# Content-Length, maybe empty); the shipped nginx asks it before answering 100-continue.
+UPLOAD_CHECK_HEADER = "x-upload-check"
 DEFAULT_MAX_ENTRY_SIZE = 100 * 10**6
 ROLES = ("read", "write")
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,255}$")
@@ -99,11 +108,36 @@ def _validate(options: BuildCacheOptions) -> Iterator[tuple[str, str]]:
         yield "max_size", "must not be smaller than max_entry_size"
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _default_repository(listen_host: str) -> dict[str, str]:
+    """With no configuration anyone may push on loopback (a developer's machine); on any
+    other address (a container's 0.0.0.0) anonymous clients may only read: an open
+    build cache lets anyone plant outputs that every build then uses."""
+    anonymous = "write" if _is_loopback(listen_host) else "read"
+    return {"name": "gradle-cache", "format": "gradle-build-cache", "anonymous": anonymous}
+
+
 def _warnings(repo: RepositorySettings[BuildCacheOptions], listen_host: str) -> Iterator[str]:
-    if repo.options.anonymous == "write" and listen_host not in ("127.0.0.1", "::1", "localhost"):
+    if _is_loopback(listen_host):
+        return
+    if repo.options.anonymous == "write":
         yield (
             f'repository {repo.name!r} lets anyone write (anonymous = "write") while listening '
             f"on {listen_host}: set repositories.{repo.name}.anonymous and add users"
+        )
+    elif not any(user.role == "write" for user in repo.options.users):
+        yield (
+            f"repository {repo.name!r} takes no uploads: nobody may write to it while the "
+            f"proxy listens on {listen_host}; add a user with role = \"write\" "
+            f"(repositories.{repo.name}.users) for the builds that push"
         )
 
 
@@ -128,6 +162,12 @@ class BuildCacheRepository:
                 f"{key!r} is not a build cache key: use letters, digits, '.', '_' and '-' "
                 "(starting with a letter or digit), at most 256 characters"
             )
+        if request.method == "HEAD" and UPLOAD_CHECK_HEADER in request.headers:
+            # A load balancer asks before it answers Expect: 100-continue itself
+            # (deploy/nginx.conf): would a PUT of this key and length be taken?
+            self._authorize(request, "write")
+            self._check_length(key, request.headers[UPLOAD_CHECK_HEADER] or None)
+            return self.responses.empty(204)
         self._authorize(request, "write" if request.method == "PUT" else "read")
         if request.method == "PUT":
             return await self._put(request, key)
@@ -158,20 +198,23 @@ class BuildCacheRepository:
         if _ROLE_RANK[user.role] < _ROLE_RANK[needed]:
             raise Forbidden(f"user {user_name!r} may only read from {self.name!r}")
 
-    async def _put(self, request: Request, key: str) -> Response:
+    def _check_length(self, key: str, declared: str | None) -> None:
+        """Refuse a declared Content-Length over ``max_entry_size``: decided before any
+        body byte is read, so a client sending Expect: 100-continue never sends it."""
+        if declared is None:
+            return
+        if not declared.isdigit():
+            raise BadRequest(f"Content-Length {declared!r} is not a number")
         limit = self.options.max_entry_size
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise BadRequest(f"Content-Length {declared!r} is not a number")
-            if int(declared) > limit:
-                # Decided before any body byte is read: with Expect: 100-continue the
-                # client never sends it.
-                raise PayloadTooLarge(
-                    f"{key}: {declared} bytes is over this cache's {limit}-byte entry limit"
-                )
+        if int(declared) > limit:
+            raise PayloadTooLarge(
+                f"{key}: {declared} bytes is over this cache's {limit}-byte entry limit"
+            )
+
+    async def _put(self, request: Request, key: str) -> Response:
+        self._check_length(key, request.headers.get("content-length"))
         content_type = request.headers.get("content-type") or CONTENT_TYPE
-        await self.store.store(key, request.body(), limit, content_type)
+        await self.store.store(key, request.body(), self.options.max_entry_size, content_type)
         return self.responses.empty(201)
 
 
@@ -179,11 +222,7 @@ FORMAT = FormatPlugin(
     name="gradle-build-cache",
     options=BuildCacheOptions,
     hosting=Hosting(build=BuildCacheRepository, max_size=lambda options: options.max_size),
-    default_repository={
-        "name": "gradle-cache",
-        "format": "gradle-build-cache",
-        "anonymous": "write",
-    },
+    default_repository=_default_repository,
     validate=_validate,
     warnings=_warnings,
 )
