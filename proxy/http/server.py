@@ -46,6 +46,9 @@ STARTUP_FAILED = 1  # run_process's status when the server never started
 FD_RESERVE = 256
 FDS_PER_CONNECTION = 2
 OPEN_FILES_WANTED = 65536
+# Fewer connections than this per process is worth a warning at start (a soft limit of
+# 1,024 gives 384: a thousand idle connections would take them all).
+CONNECTIONS_WARN_BELOW = 4096
 
 
 class BindError(Exception):
@@ -101,7 +104,7 @@ def serve(settings: Settings, workers: int, logs: LogOptions) -> int:
     before, now = raise_open_files_limit()
     raised = f" (raised from {before})" if now != before else ""
     connections = connection_limit(now)
-    if now < OPEN_FILES_WANTED:
+    if connections < CONNECTIONS_WARN_BELOW:
         log.warning(
             "open files limit %s%s, the hard limit: at most %d connections per process; "
             "raise it (systemd LimitNOFILE, docker --ulimit nofile) to serve more",
