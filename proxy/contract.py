@@ -60,6 +60,7 @@ from proxy.exceptions import (
     PayloadTooLarge,
     RequestTimeout,
     RetryLater,
+    TooManyRequests,
     Unauthorized,
     UpstreamBusy,
     UpstreamError,
@@ -155,6 +156,8 @@ __all__ = [
     "Size",
     "Status",
     "Text",
+    "Throttle",
+    "TooManyRequests",
     "Unauthorized",
     "UpstreamBusy",
     "UpstreamClient",
@@ -206,6 +209,7 @@ class Request:
     query: str = ""  # the query string as sent, without "?"
     scheme: str = "http"  # how the client reached this process
     public_url: str | None = None  # server.public_url, when a deployment sets it
+    client: str = ""  # the peer's address (a load balancer's, behind one)
 
     @property
     def segments(self) -> tuple[str, ...]:
@@ -473,6 +477,18 @@ class ProxyCache(Protocol):
         ...
 
 
+class Throttle(Protocol):
+    """Failures counted per key (``runtime.throttle.FailureThrottle`` in the engine)."""
+
+    def retry_after(self, *keys: str) -> float | None:
+        """Seconds until every one of ``keys`` may try again; None if none is locked."""
+        ...
+
+    def failed(self, *keys: str) -> None: ...
+
+    def succeeded(self, *keys: str) -> None: ...
+
+
 class HostedCache(Protocol):
     """The engine, as the adapter of a hosted repository (one that stores what clients
     upload, like a build cache) sees it. The engine counts uploads, stored and refused."""
@@ -514,10 +530,14 @@ class ProxyContext:
 
 @dataclass(frozen=True)
 class HostedContext:
-    """What the engine hands a hosting format when it builds one repository's adapter."""
+    """What the engine hands a hosting format when it builds one repository's adapter.
+
+    ``throttle`` remembers failed credential checks (wrong passwords) per key (a user, a
+    client address) and locks a key out for a while after a few."""
 
     store: HostedCache
     responses: Responses
+    throttle: Throttle
 
 
 @dataclass(frozen=True)

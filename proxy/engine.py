@@ -46,6 +46,7 @@ from proxy.mirror.runner import Mirrors, MirrorSource
 from proxy.runtime import metrics
 from proxy.runtime.blocking import CpuPool, install_io_executor, run_blocking
 from proxy.runtime.tasks import TaskSupervisor, watch_loop_lag
+from proxy.runtime.throttle import FailureThrottle
 from proxy.storage.blobs import BlobStore
 from proxy.upstream.client import UpstreamPool
 
@@ -280,7 +281,8 @@ class Repositories:
         elif plugin.hosting is not None:
             hosted = HostedView(cache, repo.name, repo.format)
             self.views[repo.name] = hosted
-            built = plugin.hosting.build(repo, HostedContext(store=hosted, responses=responses))
+            hosting = HostedContext(store=hosted, responses=responses, throttle=FailureThrottle())
+            built = plugin.hosting.build(repo, hosting)
             self.adapters[repo.name] = CountedUploads(built, repo.name)
             if plugin.hosting.max_size is not None:
                 limit = plugin.hosting.max_size(repo.options)

@@ -15,6 +15,7 @@
     │   ├── PayloadTooLarge    413: over a repository's max_entry_size
     │   ├── UnsupportedMediaType  415: a body not of the type the endpoint takes
     │   ├── UriTooLong         414
+    │   ├── TooManyRequests    429 + Retry-After: too many wrong passwords, for now
     │   └── HeadersTooLarge    431
     ├── NotSupported           501: an endpoint of the protocol the proxy does not offer
     ├── Unavailable            503 + Retry-After: the proxy cannot answer now; a retry may
@@ -126,6 +127,15 @@ class UriTooLong(ClientError):
 
 class HeadersTooLarge(ClientError):
     pass
+
+
+class TooManyRequests(ClientError):
+    """This client or user failed too often (wrong passwords): refused for
+    ``retry_after_s`` without a look at its credentials."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NotSupported(ProxyError):

@@ -326,3 +326,24 @@ def test_an_exposed_build_cache_nobody_may_write_to_says_so_at_start(tmp_path: P
         process.terminate()
         output = process.communicate(timeout=30)[0].decode()
     assert "takes no uploads" in output and 'role = "write"' in output
+
+
+def test_wrong_passwords_are_throttled_and_logged(
+    cache_proxy: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 18: 300 wrong build-cache passwords in a row met no throttling and no log line.
+    key = "guessed-key"
+    statuses = [
+        httpx.put(url(cache_proxy, key), content=b"x", auth=("ci", f"guess-{i}")).status_code
+        for i in range(300)
+    ]
+    assert statuses[:5] == [401] * 5
+    assert set(statuses[5:]) == {429}, "locked out after five wrong passwords"
+    locked = httpx.put(url(cache_proxy, key), content=b"x", auth=CI)
+    assert locked.status_code == 429 and int(locked.headers["retry-after"]) >= 1
+    failures = [r for r in caplog.records if "build cache login failed" in r.getMessage()]
+    assert 5 <= len(failures) <= 10 and "user=ci" in failures[0].getMessage()
+    # Guesses of unknown names lock the guessing client, never a real user elsewhere.
+    for i in range(6):
+        httpx.get(url(cache_proxy, key), auth=(f"nobody{i}", "x"))
+    assert httpx.get(url(cache_proxy, key), auth=READER).status_code == 404  # not locked

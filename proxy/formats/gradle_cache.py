@@ -10,7 +10,9 @@ durable: the file fsynced and the catalog row committed.
 A load balancer that answers ``Expect: 100-continue`` itself (nginx does) would let the
 body come before our 401: it asks first, with a HEAD carrying ``X-Upload-Check`` (the
 PUT's length), which gets the PUT's answer without a body (204 when it would be taken).
-With no configuration, anonymous clients may write on loopback only.
+With no configuration, anonymous clients may write on loopback only. Wrong passwords
+are logged and throttled: after a few, the (user, client) pair, or the client for
+unknown names, gets 429 with Retry-After for a while (the engine's throttle).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import base64
 import binascii
 import hmac
 import ipaddress
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,10 +41,13 @@ from proxy.contract import (
     Request,
     Response,
     Size,
+    TooManyRequests,
     Unauthorized,
     option,
     toml_key,
 )
+
+log = logging.getLogger("proxy.formats.gradle_cache")
 
 CONTENT_TYPE = "application/vnd.gradle.build-cache-artifact.v2"
 # A HEAD with this header asks "would a PUT of this key be taken?" (its value: the PUT's
@@ -136,7 +142,7 @@ def _warnings(repo: RepositorySettings[BuildCacheOptions], listen_host: str) -> 
     elif not any(user.role == "write" for user in repo.options.users):
         yield (
             f"repository {repo.name!r} takes no uploads: nobody may write to it while the "
-            f"proxy listens on {listen_host}; add a user with role = \"write\" "
+            f'proxy listens on {listen_host}; add a user with role = "write" '
             f"(repositories.{repo.name}.users) for the builds that push"
         )
 
@@ -147,6 +153,7 @@ class BuildCacheRepository:
         self.name = settings.name
         self.store = ctx.store
         self.responses = ctx.responses
+        self.throttle = ctx.throttle
         self.users = {user.name: user for user in self.options.users}
         self.challenge = f'Basic realm="{self.name}", charset="UTF-8"'
 
@@ -191,10 +198,31 @@ class BuildCacheRepository:
         except (binascii.Error, ValueError):  # incl. UnicodeDecodeError, non-ASCII input
             raise Unauthorized("malformed Basic credentials", self.challenge) from None
         user = self.users.get(user_name)
+        # Wrong passwords lock the (user, client) pair: guessing a user's password from
+        # one address stops there, and a stranger's guesses do not lock the user out
+        # everywhere (its builds on other machines go on); unknown names lock the client.
+        keys = (
+            (f"user:{user_name}@{request.client}",)
+            if user is not None
+            else (f"client:{request.client}",)
+        )
+        wait_s = self.throttle.retry_after(*keys)
+        if wait_s is not None:
+            raise TooManyRequests(
+                f"too many wrong passwords for {self.name!r}; try again later", wait_s
+            )
         # Compare even for unknown users, so timing does not reveal which names exist.
         expected = user.password if user is not None else "\x00"
         if not sep or not hmac.compare_digest(password.encode(), expected.encode()) or user is None:
+            self.throttle.failed(*keys)
+            log.warning(
+                "build cache login failed: repository=%s user=%s client=%s",
+                self.name,
+                user_name or "-",
+                request.client or "-",
+            )
             raise Unauthorized("wrong user name or password", self.challenge)
+        self.throttle.succeeded(*keys)
         if _ROLE_RANK[user.role] < _ROLE_RANK[needed]:
             raise Forbidden(f"user {user_name!r} may only read from {self.name!r}")
 

@@ -159,6 +159,7 @@ class Dispatcher:
                         query=scope.get("query_string", b"").decode("latin-1"),
                         scheme="https" if scope.get("scheme") == "https" else "http",
                         public_url=state.settings.public_url,
+                        client=(scope.get("client") or ("", 0))[0],
                     )
                     response = await adapter.handle(request)
             except Exception as exc:

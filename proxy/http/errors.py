@@ -39,6 +39,7 @@ from proxy.exceptions import (
     RetryLater,
     ShuttingDown,
     StorageError,
+    TooManyRequests,
     TransferCut,
     Unauthorized,
     Unavailable,
@@ -102,6 +103,7 @@ RULES: dict[type[BaseException], Rule] = {
     UnsupportedMediaType: Rule(415),
     UriTooLong: Rule(414),
     HeadersTooLarge: Rule(431),
+    TooManyRequests: Rule(429, headers=_retry_after),
     NotSupported: Rule(501),
     # We cannot answer now.
     Unavailable: Rule(503, headers=_retry_after),
