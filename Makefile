@@ -48,13 +48,15 @@ soak: $(STAMP)
 
 # The image installs requirements.lock (runtime dependencies + the image's init, with
 # hashes) and builds the project with requirements-build.lock (the build backend).
-# Regenerate both after changing dependencies in pyproject.toml: `make lock`.
+# Regenerate both after changing dependencies in pyproject.toml: `make lock` (it also pins
+# the S3 server of the compose stack's object-storage variant, deploy/s3/).
 LOCK_FLAGS := --universal --python-version 3.11 --generate-hashes --quiet
 lock: $(STAMP)
 	$(BIN)/uv pip compile $(LOCK_FLAGS) --output-file requirements.lock \
 	  pyproject.toml deploy/image-requirements.in
 	$(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
 	  | $(BIN)/uv pip compile $(LOCK_FLAGS) --output-file requirements-build.lock -
+	$(BIN)/uv pip compile $(LOCK_FLAGS) --output-file deploy/s3/requirements.lock deploy/s3/requirements.in
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -89,7 +89,15 @@ def upstream_counts(url: str) -> dict[str, int]:
     return counts
 
 
-def start_proxy(config: Path, workdir: Path, name: str, workers: int = 1) -> tuple[Process, str]:
+def start_proxy(
+    config: Path,
+    workdir: Path,
+    name: str,
+    workers: int = 1,
+    env: dict[str, str] | None = None,
+) -> tuple[Process, str]:
+    """A ``proxy serve``; REPLICA_NAME is its name (a config may give each replica a
+    folder of its own with ``${REPLICA_NAME}``)."""
     port = free_port()
     argv = [
         PYTHON,
@@ -103,7 +111,7 @@ def start_proxy(config: Path, workdir: Path, name: str, workers: int = 1) -> tup
     ]
     if workers > 1:
         argv += ["--workers", str(workers)]
-    process = Process(argv, workdir / f"{name}.log")
+    process = Process(argv, workdir / f"{name}.log", {"REPLICA_NAME": name, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/readyz")
     return process, url

@@ -164,12 +164,13 @@ async def sweep(engine: Any, count: int, per_blob: bool) -> tuple[float, int, in
     from proxy.clock import SYSTEM_CLOCK as clock
     from proxy.jobs import reclaim
     from proxy.runtime.blocking import run_blocking
+    from proxy.storage import blobs
 
     started = time.perf_counter()
     await run_blocking(make_blob_files, engine.blobs.blobs_dir, count)
     print(f"  {count:,} blob files made in {time.perf_counter() - started:.0f} s")
     if per_blob:
-        reclaim.ORPHAN_BATCH = 1  # the sweep before issue 21: one question per blob
+        blobs.CANDIDATE_BATCH = 1  # the sweep before issue 21: one question per blob
     questions = 0
     ask = engine.catalog.unreferenced_blobs
 
@@ -180,7 +181,7 @@ async def sweep(engine: Any, count: int, per_blob: bool) -> tuple[float, int, in
         return found
 
     engine.catalog.unreferenced_blobs = counting
-    job = reclaim.Reclaim(engine.catalog, engine.blobs, clock, 86_400)
+    job = reclaim.Reclaim(engine.catalog, engine.storage, clock, 86_400)
     started = time.perf_counter()
     removed = await job.remove_orphans()
     return time.perf_counter() - started, questions, removed

@@ -1,10 +1,12 @@
 """A fleet on one Postgres: one miss for 90 clients, a single fast miss, wake-up latency,
 handover times.
 
-    .venv/bin/python -m bench.fleet [--trials 20] [--single-trials 3]
+    .venv/bin/python -m bench.fleet [--trials 20] [--single-trials 3] [--storage s3]
 
 Starts its own PostgreSQL (initdb/pg_ctl, like the tests) unless PROXY_TEST_POSTGRES_URL
-is set, a throttled upstream, and `proxy serve` replicas. Prints:
+is set, a throttled upstream, and `proxy serve` replicas: on one shared folder, or
+(``--storage s3``) on a bucket of a SeaweedFS of its own with a local folder per replica
+(streaming across replicas then goes through the holders' relays). Prints:
 - upstream GETs for 3 replicas x 30 clients on one 50 MB miss (upstream at 20 MB/s),
   time to first and to last byte per role (clients of the holder / of the waiting
   replicas), how long after the holder's first byte the waiters' first bytes came, and
@@ -50,6 +52,9 @@ MB = 10**6
 GiB = 2**30
 
 
+STORAGE = {"keys": "", "env": {}}  # set by run(): the [storage] table and the proxies' env
+
+
 def config(
     work: Path, name: str, db_url: str, upstream: str, ttl: str, notify: bool = True
 ) -> Path:
@@ -58,7 +63,7 @@ def config(
 [database]
 url = "{db_url}"
 [storage]
-path = "{work / "shared"}"
+{STORAGE["keys"]}
 [leases]
 ttl = "{ttl}"
 poll_interval = "250ms"
@@ -259,8 +264,8 @@ async def handover(
     for i in range(trials):
         name = f"handover{sig.name.lower()}{i}"
         make_file(work / "upstream" / name / f"{name}-1.0.tar.gz", 40 * MB)
-        holder_proc, holder = start_proxy(cfg, work, f"holder-{name}")
-        waiter_proc, waiter = start_proxy(cfg, work, f"waiter-{name}")
+        holder_proc, holder = proxy(cfg, work, f"holder-{name}")
+        waiter_proc, waiter = proxy(cfg, work, f"waiter-{name}")
         try:
             async with httpx.AsyncClient(timeout=300) as client:
                 await client.get(f"{holder}/pypi/simple/{name}/")
@@ -287,8 +292,25 @@ async def handover(
     return times
 
 
+def proxy(cfg: Path, work: Path, name: str) -> tuple[Process, str]:
+    return start_proxy(cfg, work, name, env=STORAGE["env"])  # type: ignore[arg-type]
+
+
 async def run(args: argparse.Namespace) -> None:
     work = workdir("fleet")
+    seaweed = None
+    if args.storage == "s3":
+        from tests.conftest import s3_storage
+        from tests.seaweed import SeaweedFS
+
+        seaweed = SeaweedFS().start()
+        bucket = seaweed.new_bucket()
+        keys = s3_storage(seaweed, bucket, Path(f"{work}/local-${{REPLICA_NAME}}"))
+        STORAGE["keys"] = f'path = "{work / "data"}"\n{keys}'
+        STORAGE["env"] = seaweed.env
+    else:
+        STORAGE["keys"] = f'path = "{work / "shared"}"'
+    print(f"storage: {args.storage}")
     server = None
     admin_url = os.environ.get("PROXY_TEST_POSTGRES_URL")
     if not admin_url:
@@ -303,17 +325,17 @@ async def run(args: argparse.Namespace) -> None:
         processes.append(upstream_proc)
         db_url = await asyncio.to_thread(create_database, admin_url)
         cfg = config(work, "fleet", db_url, upstream, "15s")
-        replicas = [start_proxy(cfg, work, f"replica-{i}") for i in range(3)]
+        replicas = [proxy(cfg, work, f"replica-{i}") for i in range(3)]
         processes += [proc for proc, _ in replicas]
         urls = [url for _, url in replicas]
         await one_miss_for_ninety(replicas, upstream, "big-1.0.tar.gz")
         fast_proc, fast = start_upstream(work / "fast", work)
         processes.append(fast_proc)
-        solo_proc, solo = start_proxy(config(work, "solo", db_url, fast, "15s"), work, "solo")
+        solo_proc, solo = proxy(config(work, "solo", db_url, fast, "15s"), work, "solo")
         processes.append(solo_proc)
         await single_miss(solo, work, args.single_trials, args.warm_gib)
         await wake_up_latency(db_url, urls[0], urls[1], work, args.trials, "NOTIFY")
-        deaf_proc, deaf = start_proxy(
+        deaf_proc, deaf = proxy(
             config(work, "deaf", db_url, upstream, "15s", notify=False), work, "deaf"
         )
         processes.append(deaf_proc)
@@ -334,6 +356,8 @@ async def run(args: argparse.Namespace) -> None:
             proc.stop()
         if server is not None:
             server.destroy()
+        if seaweed is not None:
+            seaweed.destroy()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -347,6 +371,9 @@ def main() -> None:
     )
     parser.add_argument("--upstream-mbps", type=float, default=20.0, help="upstream throttle, MB/s")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, files)")
+    parser.add_argument(
+        "--storage", choices=["folder", "s3"], default="folder", help="where the blobs live"
+    )
     asyncio.run(run(parser.parse_args()))
 
 

@@ -2,10 +2,13 @@
 
 Builds the image, brings up deploy/docker-compose.yml (3 replicas, Postgres, nginx,
 Prometheus) plus a fake PyPI upstream under a unique project name, checks it with real
-clients, and always tears it down. One PASS/FAIL/SKIP line per check, with its time;
-exit status 1 if any check failed.
+clients, and always tears it down. Then the same with docker-compose.s3.yml added (the
+blobs in a bucket of an S3 server built from deploy/s3/, no shared volume), with the
+checks that concern storage. One PASS/FAIL/SKIP line per check, with its time; exit
+status 1 if any check failed.
 
     .venv/bin/python deploy/test_stack.py [--keep] [--restart-daemon auto|yes|no] [--image TAG]
+        [--variant both|folder|s3]
 
 --restart-daemon: also restart the Docker daemon in check (f); `auto` does it only when
 the engine is one docker-standins started (a machine of our own, as in CI).
@@ -35,6 +38,7 @@ from stack import (
     Stack,
     base_images,
     build_image,
+    build_s3_image,
     ensure_engine,
     ensure_images,
     file_url,
@@ -63,6 +67,14 @@ class Checks:
         self.client = httpx.Client(timeout=30)
         self.failed: list[str] = []
         self.passed = self.skipped = 0
+
+    @classmethod
+    def merged(cls, runs: list[Checks]) -> Checks:
+        total = cls.__new__(cls)
+        total.failed = [name for run in runs for name in run.failed]
+        total.passed = sum(run.passed for run in runs)
+        total.skipped = sum(run.skipped for run in runs)
+        return total
 
     def check(self, name: str, body: Callable[[], str]) -> None:
         started = time.monotonic()
@@ -351,6 +363,38 @@ class Checks:
             raise AssertionError(f"X-Cache-Status under 12 hosts x 2 queries: {statuses}")
         return f"{len(statuses)} GETs under 12 Host names and query strings: {statuses.count('HIT')} HITs"
 
+    def object_storage(self) -> str:
+        """(s) On the S3 variant: every replica has a folder of its own, the blobs are
+        objects in the bucket, and a replica that never fetched a file serves it."""
+        stack = self.stack
+        sources = {}
+        for service in REPLICAS:
+            mounts = stack.inspect(service)["Mounts"]
+            [local] = [m for m in mounts if m["Destination"] == "/srv/proxy"]
+            sources[service] = local.get("Name") or local["Source"]
+        if len(set(sources.values())) != len(REPLICAS):
+            raise AssertionError(f"replicas share /srv/proxy: {sources}")
+        import hashlib
+
+        keys = stack.bucket_keys()
+        names = {key.rsplit("/", 1)[-1] for key in keys}
+        for name in ("dt-alpha", "dt-beta"):
+            digest = hashlib.sha256(stack.packages[name].read_bytes()).hexdigest()
+            if digest not in names:
+                raise AssertionError(f"{name}'s blob is not in the bucket: {sorted(keys)[:5]}")
+        # Each replica directly (not the LB): the ones without a local copy GET it.
+        wheel = stack.packages["dt-beta"]
+        served = [
+            self.get(file_url(stack.lb, wheel), headers=PAST_LB_CACHE).content == wheel.read_bytes()
+            for _ in range(9)
+        ]
+        if not all(served):
+            raise AssertionError(f"cached wheel through the LB: {served}")
+        return (
+            f"{len(REPLICAS)} local volumes ({', '.join(sorted(sources.values()))}); "
+            f"{len(keys)} objects in the bucket; 9/9 cached wheels served"
+        )
+
     def lb_cache(self) -> str:
         """(g) The LB caches immutable files (when the proxy marks them so)."""
         stack = self.stack
@@ -380,11 +424,75 @@ class Checks:
         return f"Cache-Control {cache_control!r}; X-Cache-Status of 3 GETs: {statuses}"
 
 
+def run_variant(
+    stack: Stack, args: argparse.Namespace, restart_daemon: bool, object_storage: bool
+) -> Checks:
+    checks = Checks(stack)
+    variant = "the S3 variant (docker-compose.s3.yml)" if object_storage else "the stack"
+    log(
+        f"deploy test: {variant}: compose project {stack.project}, LB {stack.lb}, "
+        f"Prometheus {stack.prometheus}"
+    )
+    try:
+        started = time.monotonic()
+        stack.up()
+        log(
+            f"stack up (db healthy -> 3 replicas ready -> lb, prometheus) in {time.monotonic() - started:.1f}s"
+        )
+        wait_for("the LB answering", checks.lb_serves_index, 60)
+        checks.check("(a) migrations applied once", checks.migrations_once)
+        checks.check("(b) pip through the LB, 1 upstream GET per file", checks.pip_through_lb)
+        if object_storage:
+            checks.check("(s) blobs in the bucket, a folder per replica", checks.object_storage)
+            checks.check(
+                "(h) the build cache takes writes from its user only", checks.build_cache_writes
+            )
+            checks.check("(d) a replica stopped: the LB keeps serving", checks.replica_stopped)
+        else:
+            checks.check("(e) a 503 route does not take the fleet down", checks.bad_route)
+            checks.check("(g) the LB caches immutable files", checks.lb_cache)
+            checks.check(
+                "(h) the build cache takes writes from its user only", checks.build_cache_writes
+            )
+            checks.check(
+                "(i) uploads are decided before their body", checks.uploads_decided_before_the_body
+            )
+            checks.check("(j) the LB caches a file once by its path", checks.lb_cache_key)
+            checks.check("(c) Prometheus sees every replica", checks.prometheus_targets)
+            checks.check("(d) a replica stopped: the LB keeps serving", checks.replica_stopped)
+            checks.check(
+                "(f) the whole stack restarted comes back alone",
+                lambda: checks.stack_restarts(restart_daemon),
+            )
+    except Exception as exc:
+        checks.failed.append(f"stack{' (s3)' if object_storage else ''}")
+        log(f"FAIL the stack: {type(exc).__name__}: {exc}")
+    finally:
+        services = ("lb", *REPLICAS, *(("s3",) if object_storage else ()))
+        if checks.failed or os.environ.get("DEPLOY_TEST_LOGS"):
+            for service in services:
+                with contextlib.suppress(Exception):
+                    tail = "\n".join(stack.logs(service).splitlines()[-15:])
+                    log(f"--- last log lines of {service} ---\n{tail}")
+        if args.keep:
+            log(
+                f"kept: project {stack.project} (tear down: docker compose -p {stack.project} down -v)"
+            )
+        else:
+            started = time.monotonic()
+            stack.down()
+            log(f"torn down in {time.monotonic() - started:.1f}s")
+    if object_storage:
+        checks.failed = [f"{name} (s3)" for name in checks.failed]
+    return checks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
     parser.add_argument("--restart-daemon", choices=["auto", "yes", "no"], default="auto")
     parser.add_argument("--image", help="test this proxy image instead of building one")
+    parser.add_argument("--variant", choices=["both", "folder", "s3"], default="both")
     args = parser.parse_args()
     total = time.monotonic()
 
@@ -399,54 +507,17 @@ def main() -> int:
     else:
         log(f"deploy test: image built in {build_image():.1f}s")
 
-    stack = Stack(image=args.image or IMAGE)
-    checks = Checks(stack)
-    log(
-        f"deploy test: compose project {stack.project}, LB {stack.lb}, Prometheus {stack.prometheus}"
-    )
-    try:
-        started = time.monotonic()
-        stack.up()
-        log(
-            f"stack up (db healthy -> 3 replicas ready -> lb, prometheus) in {time.monotonic() - started:.1f}s"
-        )
-        wait_for("the LB answering", checks.lb_serves_index, 60)
-        checks.check("(a) migrations applied once", checks.migrations_once)
-        checks.check("(b) pip through the LB, 1 upstream GET per file", checks.pip_through_lb)
-        checks.check("(e) a 503 route does not take the fleet down", checks.bad_route)
-        checks.check("(g) the LB caches immutable files", checks.lb_cache)
-        checks.check(
-            "(h) the build cache takes writes from its user only", checks.build_cache_writes
-        )
-        checks.check(
-            "(i) uploads are decided before their body", checks.uploads_decided_before_the_body
-        )
-        checks.check("(j) the LB caches a file once by its path", checks.lb_cache_key)
-        checks.check("(c) Prometheus sees every replica", checks.prometheus_targets)
-        checks.check("(d) a replica stopped: the LB keeps serving", checks.replica_stopped)
-        checks.check(
-            "(f) the whole stack restarted comes back alone",
-            lambda: checks.stack_restarts(restart_daemon),
-        )
-    except Exception as exc:
-        checks.failed.append("stack")
-        log(f"FAIL the stack: {type(exc).__name__}: {exc}")
-    finally:
-        if checks.failed or os.environ.get("DEPLOY_TEST_LOGS"):
-            for service in ("lb", *REPLICAS):
-                with contextlib.suppress(Exception):
-                    tail = "\n".join(stack.logs(service).splitlines()[-15:])
-                    log(f"--- last log lines of {service} ---\n{tail}")
-        if args.keep:
-            log(
-                f"kept: project {stack.project} (tear down: docker compose -p {stack.project} down -v)"
-            )
-        else:
-            started = time.monotonic()
-            stack.down()
-            log(f"torn down in {time.monotonic() - started:.1f}s")
-        if started_engine and not args.keep:
-            stop_standins_engine()  # this run started it: leave the machine as it was
+    image = args.image or IMAGE
+    results = []
+    if args.variant in ("both", "folder"):
+        results.append(run_variant(Stack(image=image), args, restart_daemon, object_storage=False))
+    if args.variant in ("both", "s3"):
+        log(f"deploy test: S3 server image built in {build_s3_image():.1f}s")
+        stack = Stack(image=image, object_storage=True)
+        results.append(run_variant(stack, args, restart_daemon, object_storage=True))
+    if started_engine and not args.keep:
+        stop_standins_engine()  # this run started it: leave the machine as it was
+    checks = Checks.merged(results)
     log(
         f"deploy test: {time.monotonic() - total:.0f}s; failed: {', '.join(checks.failed) or 'none'}"
     )

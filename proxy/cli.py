@@ -1,4 +1,4 @@
-"""``proxy serve | check-config | migrate | gc | stats | mirror | jobs``.
+"""``proxy serve | check-config | migrate | gc | stats | mirror | jobs | storage copy``.
 
 Nothing of the proxy is imported at module level: the Prometheus client decides where
 metric values live when ``proxy.runtime.metrics`` is first imported, so the metrics folder must
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ NEEDS: dict[str, tuple[frozenset[str] | None, str]] = {
     "stats": (_STORE, "none"),
     "jobs": (_STORE | {"jobs", "leases", "upstream", "mirrors"}, "none"),
     "mirror": (_STORE | {"leases", "upstream", "mirrors"}, "mirrors"),
+    "storage": (frozenset({"storage"}), "none"),
 }
 
 
@@ -129,6 +131,26 @@ def build_parser() -> argparse.ArgumentParser:
         "The fleet's background jobs and mirror runs as the catalog records them.",
     )
     jobs.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    storage = commands.add_parser(
+        "storage",
+        help="move the blob store",
+        description="Move a folder store into a bucket without fetching anything again.",
+    )
+    storage_commands = storage.add_subparsers(dest="storage_command", required=True)
+    copy = storage_commands.add_parser(
+        "copy",
+        parents=[config],
+        help="copy the config's folder store into a bucket (resumable); then set storage.url",
+        description="Upload every blob of the config's storage.path folder that the bucket "
+        "lacks (each verified first); run it again to resume. Credentials come from the "
+        "AWS environment variables or shared files.",
+    )
+    copy.add_argument("--to", required=True, metavar="s3://BUCKET/PREFIX/")
+    copy.add_argument("--endpoint", help="the S3 endpoint URL (default: AWS)")
+    copy.add_argument("--region", help="the bucket's region")
+    copy.add_argument(
+        "--path-style", action="store_true", help="path-style requests (most self-hosted servers)"
+    )
     return parser
 
 
@@ -160,6 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         print(settings.describe(), end="")
         return 0
+    if args.command == "storage":
+        configure_logging("warning")
+        try:
+            return asyncio.run(_storage_copy(settings, args))
+        except KeyboardInterrupt:
+            print("interrupted: run it again to go on where it stopped", file=sys.stderr)
+            return 130
     if args.command in ("mirror", "jobs"):
         # Their output is the point; the log shows only what went wrong.
         configure_logging("warning" if args.command == "mirror" else "error")
@@ -194,10 +223,13 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     if workers < 1:
         print("--workers: must be 1 or more", file=sys.stderr)
         return 2
+    settings = dataclasses.replace(settings, workers=workers)
     # Migrate before serving: a database that cannot be reached is one clear line here,
-    # not a traceback from inside the server's startup.
+    # not a traceback from inside the server's startup; the same for the storage.
     if asyncio.run(_migrate(settings, quiet=True)) != 0:
         return 1
+    if settings.object_storage is not None and asyncio.run(_check_storage(settings)) != 0:
+        return 1  # (a folder is checked by the workers as they start, and named then)
     try:
         return server.serve(settings, workers, logs)
     except server.BindError as exc:
@@ -243,23 +275,89 @@ async def _migrate(settings: Settings, quiet: bool = False) -> int:
     return 0
 
 
+async def _check_storage(settings: Settings) -> int:
+    from proxy.exceptions import StorageError
+    from proxy.storage.store import open_storage
+
+    storage = open_storage(settings)
+    try:
+        await storage.start()
+    except StorageError as exc:
+        print(f"cannot use the storage: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await storage.close()
+    return 0
+
+
+async def _storage_copy(settings: Settings, args: argparse.Namespace) -> int:
+    from proxy.config.load import object_storage_target
+    from proxy.exceptions import ConfigError, StorageError
+    from proxy.storage.blobs import BlobStore
+    from proxy.storage.copy import CopyProgress, copy_folder
+    from proxy.storage.s3 import Bucket
+
+    if settings.object_storage is not None:
+        print(
+            f"storage copy: the config's storage is already {settings.object_storage.url}; "
+            "give the config of the folder store to copy",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        target = object_storage_target(
+            args.to, os.environ, args.endpoint, args.region, args.path_style
+        )
+    except ConfigError as exc:
+        for error in exc.errors:
+            print(error, file=sys.stderr)
+        return 2
+    source = BlobStore(settings.storage_path)
+    if not source.blobs_dir.is_dir():
+        print(f"storage copy: {source.blobs_dir} is not a folder store's blobs", file=sys.stderr)
+        return 2
+    bucket = Bucket(target)
+    progress = CopyProgress(sys.stdout, sys.stdout.isatty())
+    try:
+        await bucket.open()
+        await bucket.check()
+        summary = await copy_folder(source, bucket, progress)
+    except StorageError as exc:
+        progress.finish()
+        print(f"storage copy: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await bucket.close()
+    progress.finish()
+    print(f"copied {source.root} to {target.url}: {summary.line()}")
+    if summary.failed or summary.corrupt:
+        return 1
+    print(f'now set storage.url = "{target.url}" (and storage.local_cache) and restart')
+    return 0
+
+
 async def _gc(settings: Settings) -> int:
     from proxy.catalog import open_catalog
     from proxy.clock import SYSTEM_CLOCK
-    from proxy.exceptions import CatalogError
+    from proxy.exceptions import CatalogError, StorageError
     from proxy.jobs.reclaim import Reclaim
-    from proxy.storage.blobs import BlobStore
+    from proxy.storage.store import open_storage
 
     catalog = open_catalog(settings.database_url, connections=settings.database)
+    storage = open_storage(settings)
     try:
         await catalog.migrate()
-        blobs = BlobStore(settings.storage_path)
-        reclaim = Reclaim(catalog, blobs, SYSTEM_CLOCK, settings.leases.retention_s)
+        await storage.start()
+        reclaim = Reclaim(catalog, storage, SYSTEM_CLOCK, settings.leases.retention_s)
         summary = await reclaim.run()
     except CatalogError as exc:
         print(redact(f"database.url: {exc}"), file=sys.stderr)
         return 1
+    except StorageError as exc:
+        print(f"{exc}", file=sys.stderr)
+        return 1
     finally:
+        await storage.close()
         await catalog.close()
     print(summary)
     return 0

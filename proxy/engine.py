@@ -10,6 +10,7 @@ same way (docs/architecture.md, "Module map").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -37,17 +38,22 @@ from proxy.contract import (
 )
 from proxy.exceptions import CatalogError, InvalidPlugin
 from proxy.fetch.fetcher import Fetcher
+from proxy.fetch.fill import TierFills
 from proxy.fetch.leases import LeaseCoordinator, make_holder_id
+from proxy.fetch.relay import RelayServer
+from proxy.fetch.relayed import RelayClient
 from proxy.fleet import Counted, Heartbeat
 from proxy.http.responses import FormatResponses, HotBlobs
 from proxy.jobs import Job, Scheduler, standard_jobs
 from proxy.jobs.packages import PackageBackfill
 from proxy.mirror.runner import Mirrors, MirrorSource
 from proxy.runtime import metrics
-from proxy.runtime.blocking import CpuPool, install_io_executor, run_blocking
+from proxy.runtime.blocking import CpuPool, install_io_executor
 from proxy.runtime.tasks import TaskSupervisor, watch_loop_lag
 from proxy.runtime.throttle import FailureThrottle
 from proxy.storage.blobs import BlobStore
+from proxy.storage.objects import ObjectStorage
+from proxy.storage.store import Storage, open_storage
 from proxy.upstream.client import UpstreamPool
 
 log = logging.getLogger("proxy.engine")
@@ -62,7 +68,8 @@ class Engine:
     settings: Settings
     clock: Clock
     catalog: Catalog
-    blobs: BlobStore
+    storage: Storage
+    blobs: BlobStore  # this process's folder (storage.files)
     cache: Cache
     adapters: dict[str, Adapter]
     tasks: TaskSupervisor
@@ -121,7 +128,7 @@ class Engine:
     def jobs(self) -> list[Job]:
         """Every job and schedule this configuration runs (docs/architecture.md, "Jobs")."""
         jobs = standard_jobs(
-            self.settings, self.catalog, self.blobs, self.cache, self.clock, self.size_limits
+            self.settings, self.catalog, self.storage, self.cache, self.clock, self.size_limits
         )
         if self.package_of:
             backfill = PackageBackfill(self.catalog, self.package_of)
@@ -159,8 +166,33 @@ async def open_engine(
 ) -> AsyncIterator[Engine]:
     seams = seams or Seams()
     install_io_executor(asyncio.get_running_loop())
-    blobs = BlobStore(settings.storage_path)
-    await run_blocking(blobs.prepare)
+    async with contextlib.AsyncExitStack() as stack:
+        storage = open_storage(settings)
+        await storage.start()
+        stack.push_async_callback(storage.close)
+        relay = relays = None
+        if isinstance(storage, ObjectStorage):
+            # No shared volume: in-flight downloads cross replicas through relays
+            # (docs/architecture.md, "Streaming across replicas on object storage").
+            host = settings.relay_host if settings.relay_host is not None else settings.host
+            relay = RelayServer(host, settings.relay_port, settings.relay_url)
+            await relay.start()
+            stack.push_async_callback(relay.close)
+            relays = RelayClient(storage.files, settings.upstream, storage.tier.adopt)
+            stack.push_async_callback(relays.aclose)
+        async with _engine(settings, clock, seams, storage, relay, relays) as engine:
+            yield engine
+
+
+@asynccontextmanager
+async def _engine(
+    settings: Settings,
+    clock: Clock,
+    seams: Seams,
+    storage: Storage,
+    relay: RelayServer | None,
+    relays: RelayClient | None,
+) -> AsyncIterator[Engine]:
     catalog = seams.catalog or open_catalog(
         settings.database_url, clock, connections=settings.database
     )
@@ -175,8 +207,18 @@ async def open_engine(
             holder = make_holder_id()
             leases = LeaseCoordinator(catalog, settings.leases, tasks, holder, clock)
             index, access, hot = EntryIndex(), AccessLog(clock), HotBlobs()
-            fetcher = Fetcher(catalog, blobs, index, leases, tasks, clock)
-            cache = Cache(catalog, blobs, fetcher, index, access, hot, clock)
+            fills = TierFills(storage, tasks) if isinstance(storage, ObjectStorage) else None
+            fetcher = Fetcher(
+                catalog, storage, index, leases, tasks, clock,
+                open_stored=fills.source if fills is not None else None,
+                relay=relay, relays=relays,
+            )  # fmt: skip
+            s3 = settings.object_storage
+            cache = Cache(
+                catalog, storage, fetcher, index, access, hot, clock,
+                bodies=fills.body if fills is not None else None,
+                redirect_min_size=s3.redirect_min_size if s3 is not None else None,
+            )  # fmt: skip
             built = Repositories()
             for repo in settings.repositories:
                 upstream = seams.upstream or pool.for_repository(
@@ -197,7 +239,8 @@ async def open_engine(
                 settings,
                 clock,
                 catalog,
-                blobs,
+                storage,
+                storage.files,
                 cache,
                 built.adapters,
                 tasks,

@@ -24,6 +24,7 @@
     │   ├── CatalogError         the database failed (sqlite3/asyncpg errors, translated)
     │   │   └── JobLockLost        a job pass's lock went with its connection: pass stopped
     │   └── StorageError         the blob store failed (disk full, shared volume gone)
+    │       └── StorageUnavailable  the object storage is unreachable or throttling
     └── FetchError             getting a key's body failed: a stale copy answers instead
         ├── UpstreamError      the upstream failed, and only the upstream: 502
         │   ├── UpstreamTimeout      504: no head, no body, or too slow, in time
@@ -46,7 +47,8 @@ decided in one place, ``http/errors.py``, looked up along the class's MRO; the c
 carry only what the answer needs to say (a message, the methods allowed, a wait).
 
 Foreign errors are translated once, at the boundary, with ``raise ... from exc``:
-httpx errors in ``upstream/client.py``, sqlite3 and asyncpg errors in ``catalog/``.
+httpx errors in ``upstream/client.py``, sqlite3 and asyncpg errors in ``catalog/``,
+botocore and aiohttp errors in ``storage/s3.py``.
 """
 
 from __future__ import annotations
@@ -254,3 +256,8 @@ def describe_os_error(exc: OSError) -> str:
     if name is None:
         return str(exc)
     return f"{name} ({exc.strerror or os.strerror(exc.errno or 0)})"
+
+
+class StorageUnavailable(StorageError):
+    """The object storage cannot be reached, or keeps refusing (throttling), after the
+    bounded retries: clients get a 503 with Retry-After that says so."""

@@ -19,6 +19,7 @@ from proxy.http.app import create_app
 from proxy.testing import MemoryCatalog
 from tests.maven_repo import MissingMavenRepo, copy_with_checksums
 from tests.pg import PostgresServer, create_database, drop_database
+from tests.seaweed import SeaweedFS
 from tests.upstream import FakeUpstream, ServerThread, start_upstream
 
 
@@ -181,6 +182,52 @@ async def pass_time(catalog: Catalog, clock: ManualClock, seconds: float) -> Non
         await asyncio.sleep(seconds)
     else:
         clock.advance(seconds)
+
+
+# -- object storage (SeaweedFS) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def seaweedfs() -> Iterator[SeaweedFS]:
+    """One S3 server for the whole session; tests that stop or pause it start it again."""
+    server = SeaweedFS().start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def s3_bucket(seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket for one test; the test process gets the server's credentials (the
+    standard AWS variables), as proxies started in it read them."""
+    if seaweedfs.process is None or seaweedfs.process.poll() is not None:
+        seaweedfs.start()
+    seaweedfs.resume()
+    for name, value in seaweedfs.env.items():
+        monkeypatch.setenv(name, value)
+    return seaweedfs.new_bucket()
+
+
+def s3_storage(
+    seaweedfs: SeaweedFS,
+    bucket: str,
+    local_cache: Path,
+    extra: str = "",
+    storage_extra: str = "",
+    endpoint: str | None = None,
+) -> str:
+    """The [storage] keys of a proxy on ``bucket`` with ``local_cache`` of its own, and
+    its [storage.s3] table (``extra`` goes there, ``storage_extra`` into [storage]);
+    ``endpoint``: another way to the server (a fault injector), if not the server's."""
+    return f"""
+    url = "s3://{bucket}/proxy/"
+    local_cache = "{local_cache}"
+    {storage_extra}
+    [storage.s3]
+    endpoint = "{endpoint or seaweedfs.endpoint}"
+    region = "us-east-1"
+    path_style = true
+    {extra}
+    """
 
 
 # -- Debian's system Maven repository, as a real upstream ------------------------------

@@ -38,7 +38,9 @@ class ProxyProcess:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
-        self.env = {**inherited, **(env or {})}
+        # REPLICA_NAME: one config gives each replica a folder of its own with it
+        # (local_cache = ".../${REPLICA_NAME}" on object storage).
+        self.env = {**inherited, "REPLICA_NAME": name, **(env or {})}
         self.workers = workers
         self.checkout = checkout
         self.wrapper = wrapper  # a command the proxy runs under (e.g. prlimit ...)

@@ -328,3 +328,94 @@ def test_check_config_output_is_toml_that_loads_back(tmp_path: Path) -> None:
     described = tomllib.loads(settings.describe())
     assert described["mirrors"][0]["sbom"] == str(sbom)
     assert described["storage"]["low_watermark"] == "90%"
+
+
+def test_object_storage_settings_are_validated_naming_the_key(tmp_path: Path) -> None:
+    def errors(body: str, env: dict[str, str] | None = None) -> list[str]:
+        with pytest.raises(ConfigError) as raised:
+            load(write_config(tmp_path, body), env or {})
+        return raised.value.errors
+
+    assert errors('[storage]\nurl = "s3://artifacts/proxy/"\n') == [
+        "storage.local_cache: is required with an s3:// storage.url: this replica's own "
+        'folder for downloads in progress and its copies of blobs, e.g. "/var/cache/proxy"'
+    ]
+    [gs] = errors('[storage]\nurl = "gs://artifacts/"\n')
+    assert gs.startswith("storage.url: 'gs://artifacts/': the scheme must be s3://")
+    bad = errors(
+        '[storage]\nurl = "s3://A_b/x/../y"\nlocal_cache = "/c"\nlocal_cache_max_size = "lots"\n'
+        '[storage.s3]\nendpoint = "ftp://x"\naccess_key = "k"\npath_style = "yes"\n'
+    )
+    assert any(e.startswith("storage.url: ") and "not a bucket name" in e for e in bad)
+    assert any(e.startswith("storage.url: ") and "'..' part" in e for e in bad)
+    assert any(e.startswith("storage.local_cache_max_size: ") for e in bad)
+    assert any(e.startswith("storage.s3.endpoint: ") for e in bad)
+    assert any(
+        e.startswith("storage.s3.access_key: ") and "never from the config" in e for e in bad
+    )
+    assert any(e.startswith("storage.s3.path_style: ") for e in bad)
+    misplaced = errors('[storage]\nlocal_cache = "/c"\n[storage.s3]\nregion = "x"\n')
+    assert misplaced == [
+        "storage.local_cache: is only used with an s3:// storage.url",
+        "storage.s3: is only used with an s3:// storage.url",
+    ]
+    [relay] = errors(
+        '[server]\nrelay_url = "http://169.254.169.254:80/x"\n'
+        '[storage]\nurl = "s3://artifacts/"\nlocal_cache = "/c"\n'
+    )
+    assert relay.startswith("server.relay_url: ") and "path" in relay
+    [port] = errors(
+        '[server]\nrelay_url = "http://10.0.0.5:9091"\n'
+        '[storage]\nurl = "s3://artifacts/"\nlocal_cache = "/c"\n'
+    )
+    assert port.startswith("server.relay_url: needs server.relay_listen with a fixed port")
+    env = {"PROXY_STORAGE_URL": "s3://from-env/p"}
+    assert errors("[storage]\n", env)[0].startswith(
+        "storage.local_cache: is required with an s3:// PROXY_STORAGE_URL"
+    )
+
+
+def test_object_storage_settings_load_describe_and_are_documented(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        """
+        [server]
+        relay_listen = "0.0.0.0:9091"
+        relay_url = "http://10.0.0.5:9091"
+        [storage]
+        url = "s3://artifacts/team/proxy"
+        local_cache = "cache"
+        local_cache_max_size = "50GB"
+        [storage.s3]
+        endpoint = "http://127.0.0.1:8333/"
+        region = "us-east-1"
+        path_style = true
+        redirect_min_size = "50MB"
+        """,
+    )
+    settings = load(config, {})
+    s3 = settings.object_storage
+    assert s3 is not None
+    assert (s3.bucket, s3.prefix, s3.url) == (
+        "artifacts",
+        "team/proxy/",
+        "s3://artifacts/team/proxy/",
+    )
+    assert s3.local_cache == tmp_path / "cache"  # beside the config file
+    assert (s3.local_cache_max_size, s3.redirect_min_size) == (50 * 10**9, 50 * 10**6)
+    assert (s3.endpoint, s3.region, s3.path_style) == ("http://127.0.0.1:8333", "us-east-1", True)
+    assert (settings.relay_host, settings.relay_port, settings.relay_url) == (
+        "0.0.0.0", 9091, "http://10.0.0.5:9091",
+    )  # fmt: skip
+    described = settings.describe()
+    again = load(write_config(tmp_path, described, name="again.toml"), {})
+    assert again.object_storage == s3 and again.relay_url == settings.relay_url
+    example = Path("config.example.toml").read_text()
+    for line in described.splitlines():
+        key = line.split("=")[0].strip()
+        if key and not key.startswith(("#", "[", "users.")):
+            assert f"{key} =" in example, f"{key} is not documented in config.example.toml"
+    folder = load(write_config(tmp_path, '[storage]\nurl = "file:///srv/blobs"\n'), {})
+    assert folder.object_storage is None and str(folder.storage_path) == "/srv/blobs"
+    plain = load(None, {})
+    assert plain.object_storage is None and str(plain.storage_path) == "data"  # make serve

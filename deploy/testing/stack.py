@@ -31,7 +31,9 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILES = [DEPLOY / "docker-compose.yml", DEPLOY / "testing" / "compose.test.yml"]
+S3_COMPOSE_FILE = DEPLOY / "docker-compose.s3.yml"  # the object-storage variant
 IMAGE = "artifact-proxy:deploy-test"
+S3_IMAGE = "artifact-proxy-s3:deploy-test"
 PULL_TIMEOUT_S = 60
 T = TypeVar("T")
 
@@ -195,6 +197,13 @@ def build_image(tag: str = IMAGE) -> float:
     return time.monotonic() - started
 
 
+def build_s3_image(tag: str = S3_IMAGE) -> float:
+    """The object-storage variant's S3 server (deploy/s3/)."""
+    started = time.monotonic()
+    run(["docker", "build", "-q", "-t", tag, str(DEPLOY / "s3")], timeout=900)
+    return time.monotonic() - started
+
+
 def compose_command() -> list[str]:
     if run(["docker", "compose", "version"], check=False, timeout=30).returncode == 0:
         return ["docker", "compose"]
@@ -254,8 +263,14 @@ def make_packages(folder: Path) -> dict[str, Path]:
 class Stack:
     """The compose stack under a unique project name, on free loopback ports."""
 
-    def __init__(self, image: str = IMAGE, prefix: str = "proxytest") -> None:
+    def __init__(
+        self, image: str = IMAGE, prefix: str = "proxytest", object_storage: bool = False
+    ) -> None:
+        """``object_storage``: the variant of docker-compose.s3.yml (a bucket, no shared
+        volume)."""
         self.project = f"{prefix}-{secrets.token_hex(3)}"
+        self.compose_files = COMPOSE_FILES + ([S3_COMPOSE_FILE] if object_storage else [])
+        self.object_storage = object_storage
         self.compose = compose_command()
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.project}-"))
         self.files = self.workdir / "files"
@@ -275,6 +290,8 @@ class Stack:
             "DEPLOY_TEST_PROXY1_PORT": str(self.proxy1_port),
             "DEPLOY_TEST_FILES": str(self.files),
             "GRADLE_CACHE_CI_PASSWORD": self.gradle_password,
+            "PROXY_S3_IMAGE": S3_IMAGE,
+            "S3_SECRET_KEY": secrets.token_hex(16),
         }
         self.lb = f"http://127.0.0.1:{self.lb_port}"
         self.proxy1 = f"http://127.0.0.1:{self.proxy1_port}"
@@ -284,7 +301,7 @@ class Stack:
         self, *args: str, timeout: float = 300, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         argv = [*self.compose, "-p", self.project]
-        for file in COMPOSE_FILES:
+        for file in self.compose_files:
             argv += ["-f", str(file)]
         return run([*argv, *args], timeout=timeout, check=check, env=self.env, cwd=DEPLOY)
 
@@ -337,6 +354,26 @@ class Stack:
         return self.run(
             "exec", "-T", "db", "psql", "-U", "proxy", "-d", "proxy", "-Atc", query
         ).stdout
+
+    def bucket_keys(self) -> dict[str, int]:
+        """The objects of the variant's bucket (key -> size), listed from proxy1 (its
+        image has the S3 client and the environment the credentials)."""
+        script = (
+            "import asyncio, json, os\n"
+            "from aiobotocore.session import get_session\n"
+            "async def main():\n"
+            "    async with get_session().create_client('s3', endpoint_url='http://s3:8333',"
+            " region_name='us-east-1') as s3:\n"
+            "        found = {}\n"
+            "        async for page in s3.get_paginator('list_objects_v2').paginate("
+            "Bucket=os.environ['S3_BUCKET']):\n"
+            "            found.update({o['Key']: o['Size'] for o in page.get('Contents', [])})\n"
+            "        print(json.dumps(found))\n"
+            "asyncio.run(main())\n"
+        )
+        out = self.run("exec", "-T", "proxy1", "python3", "-c", script).stdout
+        keys: dict[str, int] = json.loads(out.strip().splitlines()[-1])
+        return keys
 
     def upstream_counts(self) -> dict[str, int]:
         out = self.run(

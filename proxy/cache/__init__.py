@@ -12,7 +12,7 @@ the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from proxy.cache.index import AccessLog, EntryIndex
@@ -22,18 +22,23 @@ from proxy.contract import FetchSpec, Request, Response
 from proxy.exceptions import CatalogError
 from proxy.fetch.fetcher import Fetcher, under_current_ttl
 from proxy.http import responses
-from proxy.http.responses import HotBlobs, MarkCounts
+from proxy.http.responses import BlobBody, FileBody, HotBlobs, MarkCounts
 from proxy.runtime import metrics
-from proxy.runtime.blocking import run_blocking
-from proxy.storage.blobs import BlobStore
+from proxy.storage.store import Storage
+from proxy.types import Kind
 
 log = logging.getLogger("proxy.cache")
 
 TOMBSTONE_BATCH = 10_000
 # A blob file younger than this is never deleted by the tombstone purge: it was just
 # published again by a fetch whose entry is about to be recorded (if none is, reclaim
-# removes the orphan later).
+# removes the orphan later). The object store has no such cheap look at an object's age
+# (docs/architecture.md, "Object storage"): the "blob vanished" path refetches instead.
 RECENT_BLOB_GUARD_S = 60.0
+
+# How a hit reads an entry's blob here: (entry, what to do if its object turns out to be
+# corrupt) -> its body. Object storage fills the local tier; the folder store opens files.
+Bodies = Callable[[Entry, Callable[[], Awaitable[None]]], BlobBody]
 
 
 @dataclass(frozen=True)
@@ -46,21 +51,36 @@ class Cache:
     def __init__(
         self,
         catalog: Catalog,
-        blobs: BlobStore,
+        storage: Storage,
         fetcher: Fetcher,
         index: EntryIndex,
         access: AccessLog,
         hot: HotBlobs,
         clock: Clock,
+        bodies: Bodies | None = None,
+        redirect_min_size: int | None = None,
     ) -> None:
+        """``redirect_min_size``: hits on immutable files at least this large are
+        redirected to the storage (``Storage.redirect``), if it offers a URL."""
         self.catalog = catalog
-        self.blobs = blobs
+        self.storage = storage
         self.fetcher = fetcher
         self.index = index
         self.access = access
         self.hot = hot
         self.clock = clock
         self.marks = MarkCounts()
+        self.bodies = bodies or self._file_body
+        self.redirect_min_size = redirect_min_size
+
+    def _file_body(self, entry: Entry, on_corrupt: Callable[[], Awaitable[None]]) -> BlobBody:
+        assert entry.sha256 is not None
+        return FileBody(self.storage.blob_path(entry.sha256))
+
+    def body(self, entry: Entry) -> BlobBody:
+        """Where a hit on ``entry`` reads its bytes; a corrupt object found on the way
+        makes the entry forgotten, so the next request fetches it again."""
+        return self.bodies(entry, lambda: self.forget(entry))
 
     async def lookup(
         self, repository: str, key: str, spec: FetchSpec | None = None
@@ -129,9 +149,7 @@ class Cache:
             due = await self.catalog.due_tombstones(grace_s, after, TOMBSTONE_BATCH)
             if not due:
                 break
-            deleted, absent = await run_blocking(
-                self.blobs.delete_older, [sha for sha, _ in due], cutoff_s
-            )
+            deleted, absent = await self.storage.delete([sha for sha, _ in due], cutoff_s)
             await self.catalog.forget_tombstones(sorted(deleted | absent))
             blobs += len(deleted)
             size += sum(n for sha, n in due if sha in deleted)
@@ -164,13 +182,22 @@ class Cache:
         ``base_url`` (docs/architecture.md, "Requests"). Raises FileNotFoundError if its
         blob is gone."""
         assert entry.sha256 is not None
-        path = self.blobs.path_str(entry.sha256)
         now_ms = self.clock.now_ms()
+        body = self.body(entry)
         if base_url is not None:
             return await responses.relocated_blob(
-                request.headers, request.method, entry, path, self.hot, self.marks, extra,
+                request.headers, request.method, entry, body, self.hot, self.marks, extra,
                 now_ms, base_url,
             )  # fmt: skip
+        if (
+            self.redirect_min_size is not None
+            and entry.size >= self.redirect_min_size
+            and entry.kind is Kind.IMMUTABLE  # never a page: its headers are ours
+            and request.method == "GET"
+        ):
+            url = await self.storage.redirect(entry.sha256, entry.size)
+            if url is not None:
+                return responses.redirect_to_storage(url)
         return await responses.blob(
-            request.headers, request.method, entry, path, self.hot, extra, now_ms
+            request.headers, request.method, entry, body, self.hot, extra, now_ms
         )

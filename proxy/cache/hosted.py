@@ -43,13 +43,13 @@ class HostedView:
         self, key: str, body: AsyncIterator[bytes], max_size: int, content_type: str | None
     ) -> None:
         cache = self.cache
-        temp = await cache.blobs.new_temp()
+        temp = await cache.storage.files.new_temp()
         try:
             async for chunk in body:
                 if temp.size + len(chunk) > max_size:
                     raise PayloadTooLarge(f"{key}: the body is over the {max_size}-byte limit")
                 await temp.write(chunk)
-            sha256 = await cache.blobs.publish(temp)
+            sha256 = await cache.storage.publish(temp)
         except BaseException:
             await temp.discard()
             raise

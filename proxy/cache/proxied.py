@@ -235,7 +235,7 @@ class ProxiedView:
                 if entry.size > limit:
                     raise UpstreamError(f"{spec.key}: {entry.size} bytes, over {limit}")
                 try:
-                    body = await run_blocking(self.cache.blobs.path(entry.sha256).read_bytes)
+                    body = await self.cache.body(entry).read_all()
                 except FileNotFoundError:
                     if attempt == 2:
                         break

@@ -95,12 +95,15 @@ class LeaseGrant:
 
 @dataclass(frozen=True, slots=True)
 class StreamInfo:
-    """What a lease holder announced of the download it is writing: the temp file's name
-    on the shared volume, and the answer's type and length."""
+    """What a lease holder announced of the download it is writing: the answer's type
+    and length, and where to read it as it grows: the temp file's name on the shared
+    volume, or (object storage) its relay's URL and this download's token."""
 
-    file: str
+    file: str | None
     content_type: str | None
     length: int
+    relay: str | None = None
+    token: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -224,6 +224,8 @@ class SqlCatalog:
             stream.file,
             stream.content_type,
             stream.length,
+            stream.relay,
+            stream.token,
         )
         return touched == 1
 
@@ -232,8 +234,14 @@ class SqlCatalog:
         if row is None:
             return None
         stream = None
-        if row["stream_file"] and row["stream_length"] is not None:
-            stream = StreamInfo(row["stream_file"], row["stream_type"], int(row["stream_length"]))
+        if (row["stream_file"] or row["stream_relay"]) and row["stream_length"] is not None:
+            stream = StreamInfo(
+                row["stream_file"],
+                row["stream_type"],
+                int(row["stream_length"]),
+                row["stream_relay"],
+                row["stream_token"],
+            )
         return LeaseRow(
             key=row["key"],
             holder=row["holder"],

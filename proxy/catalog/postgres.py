@@ -262,12 +262,19 @@ class PostgresCatalog(SqlCatalog):
 
 def lease_notification(payload: str) -> tuple[str, LeaseRow | None]:
     """``(key, row)`` from a notification of the ``fetch_leases_notify`` trigger (a JSON
-    object, migration 0004); an older trigger sent the key alone: ``(key, None)``."""
+    object, migrations 0004 and 0005); an older trigger sent the key alone: ``(key, None)``."""
     try:
         fields = json.loads(payload)
         stream = None
-        if fields["file"] is not None and fields["length"] is not None:
-            stream = StreamInfo(str(fields["file"]), fields["type"], int(fields["length"]))
+        relay = fields.get("relay")  # migration 0005: the relay of object storage
+        if (fields["file"] is not None or relay is not None) and fields["length"] is not None:
+            stream = StreamInfo(
+                None if fields["file"] is None else str(fields["file"]),
+                fields["type"],
+                int(fields["length"]),
+                None if relay is None else str(relay),
+                fields.get("token"),
+            )
         row = LeaseRow(
             key=str(fields["key"]),
             holder=str(fields["holder"]),

@@ -47,6 +47,7 @@ from proxy.config.settings import (
     DEFAULT_LEASE_RETENTION_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_LISTEN,
+    DEFAULT_LOCAL_CACHE_MAX_SIZE,
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOW_WATERMARK,
     DEFAULT_MAX_CONNECTIONS,
@@ -75,6 +76,7 @@ from proxy.config.settings import (
     JobSettings,
     LeaseSettings,
     MirrorSettings,
+    ObjectStorageSettings,
     RepositorySettings,
     Settings,
     StorageSettings,
@@ -86,12 +88,14 @@ from proxy.contract import ENGINE_REPOSITORY_KEYS, FormatPlugin
 from proxy.exceptions import ConfigError, InvalidPlugin
 from proxy.mirror.purls import parse_purl
 from proxy.redaction import redact_url
+from proxy.upstream.ssrf import relay_url_problem
 
 RETENTION = Duration(positive=True)
 # First path segments the proxy answers itself (a repository cannot be named so).
 RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico", "ui", "api"})
 _REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _ENV_REF_RE = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,31 @@ def load(
     return settings
 
 
+def object_storage_target(
+    url: str,
+    environ: Mapping[str, str],
+    endpoint: str | None = None,
+    region: str | None = None,
+    path_style: bool = False,
+) -> ObjectStorageSettings:
+    """The bucket an ``s3://bucket/prefix/`` URL and ``[storage.s3]``-like options name
+    (``proxy storage copy --to``), validated like the config's; ``ConfigError`` if bad."""
+    s3: dict[str, Any] = {"path_style": path_style}
+    if endpoint is not None:
+        s3["endpoint"] = endpoint
+    if region is not None:
+        s3["region"] = region
+    parser = _Parser({k: v for k, v in environ.items() if k != "PROXY_STORAGE_URL"})
+    table = {"url": url, "local_cache": "/nonexistent", "s3": s3}
+    if not url.startswith("s3://"):
+        parser.error("--to", f"{url!r} is not an s3://BUCKET/PREFIX/ URL")
+        raise ConfigError(parser.errors)
+    target, _folder = parser.storage_url(table, "embedded defaults")
+    if parser.errors or target is None:
+        raise ConfigError([e.replace("storage.url", "--to") for e in parser.errors])
+    return target
+
+
 def default_repositories(listen_host: str) -> list[dict[str, Any]]:
     """What runs with no [[repositories]]: each format's default repository, if it has one
     (for this listen host: a format may offer less to every address than to loopback)."""
@@ -204,10 +233,20 @@ class _Parser:
         server = self.table(
             raw,
             "server",
-            {"listen", "workers", "access_log", "log_format", "tls_cert", "tls_key", "public_url"},
-        )
+            {
+                "listen", "workers", "access_log", "log_format", "tls_cert", "tls_key",
+                "public_url", "relay_listen", "relay_url",
+            },
+        )  # fmt: skip
         database = self.table(raw, "database", {"url", "session_url", "pool_size", "idle_timeout"})
-        storage = self.table(raw, "storage", {"path", "min_free", "max_size", "low_watermark"})
+        storage = self.table(
+            raw,
+            "storage",
+            {
+                "path", "url", "local_cache", "local_cache_max_size", "s3", "min_free",
+                "max_size", "low_watermark",
+            },
+        )  # fmt: skip
         upstream = self.table(
             raw,
             "upstream",
@@ -245,11 +284,32 @@ class _Parser:
             public_url = PublicUrl().parse(
                 self.environ["PROXY_PUBLIC_URL"].replace("$", "$$"), "PROXY_PUBLIC_URL", self
             )
+        relay_host, relay_port = None, 0
+        relay_listen = self.value(server, "server", "relay_listen", Text())
+        if relay_listen:
+            relay_host, relay_port = self.listen(relay_listen, "server.relay_listen")
+        relay_url = self.value(server, "server", "relay_url", Text())
+        if relay_url:
+            problem = relay_url_problem(relay_url)
+            if problem is not None:
+                self.error(
+                    "server.relay_url",
+                    f"{relay_url!r} {problem}; use http://HOST:PORT, e.g. "
+                    '"http://${POD_IP}:9091"',
+                )
+            elif not relay_listen or relay_port == 0:
+                self.error(
+                    "server.relay_url",
+                    "needs server.relay_listen with a fixed port (the port the URL reaches)",
+                )
 
         storage_path = self.environ.get("PROXY_STORAGE_PATH") or self.value(
             storage, "storage", "path", Text()
         )
         storage_path = storage_path or DEFAULT_STORAGE_PATH
+        object_storage, folder = self.storage_url(storage, source)
+        if folder is not None:
+            storage_path = folder
         database_url = self.environ.get("PROXY_DATABASE_URL") or self.value(
             database, "database", "url", Text()
         )
@@ -391,6 +451,10 @@ class _Parser:
             database=database_settings,
             public_url=public_url,
             admin=admin,
+            object_storage=object_storage,
+            relay_host=relay_host,
+            relay_port=relay_port,
+            relay_url=relay_url or None,
         )
 
     def database(self, database: dict[str, Any], database_url: str) -> DatabaseSettings:
@@ -420,6 +484,105 @@ class _Parser:
                 Duration(minimum_s=1.0, why="a closed connection is made again for the next use"),
                 DEFAULT_POOL_IDLE_TIMEOUT_S,
             ),
+        )
+
+    # -- storage ----------------------------------------------------------------------
+
+    def storage_url(
+        self, storage: dict[str, Any], source: str
+    ) -> tuple[ObjectStorageSettings | None, str | None]:
+        """``storage.url`` (or ``PROXY_STORAGE_URL``): the object storage it names, or
+        the folder (a path or file:// URL) that replaces ``storage.path``."""
+        key = "storage.url"
+        url = self.environ.get("PROXY_STORAGE_URL")
+        if url:
+            key = "PROXY_STORAGE_URL"
+        else:
+            url = self.value(storage, "storage", "url", Text())
+        s3_table = storage.get("s3", {})
+        if not isinstance(s3_table, dict):
+            self.error("storage.s3", "must be a table ([storage.s3])")
+            s3_table = {}
+        if not url or not url.startswith("s3://"):
+            for name in ("local_cache", "local_cache_max_size"):
+                if name in storage:
+                    self.error(f"storage.{name}", "is only used with an s3:// storage.url")
+            if s3_table:
+                self.error("storage.s3", "is only used with an s3:// storage.url")
+        if not url:
+            return None, None
+        scheme, sep, rest = url.partition("://")
+        if not sep:
+            return None, url  # a folder path
+        if scheme == "file":
+            if not rest.startswith("/") or rest == "/":
+                self.error(key, f"{url!r} is not file:///ABSOLUTE/PATH")
+                return None, None
+            return None, rest
+        if scheme != "s3":
+            self.error(
+                key,
+                f"{url!r}: the scheme must be s3:// (a bucket), file:// or none (a folder); "
+                'use e.g. "s3://artifacts/proxy/" or "./data"',
+            )
+            return None, None
+        bucket, _, prefix = rest.partition("/")
+        if not _BUCKET_RE.match(bucket) or ".." in bucket:
+            self.error(
+                key,
+                f"{url!r}: {bucket!r} is not a bucket name (3 to 63 lower-case letters, "
+                "digits, '.' or '-')",
+            )
+        prefix = prefix.strip("/")
+        if prefix and (any(part in ("", ".", "..") for part in prefix.split("/"))):
+            self.error(key, f"{url!r}: the prefix {prefix!r} has an empty, '.' or '..' part")
+        if any(c in prefix for c in "\\?#") or not prefix.isprintable():
+            self.error(key, f"{url!r}: the prefix may not contain '\\', '?', '#' or controls")
+        local_cache = self.value(storage, "storage", "local_cache", Text())
+        if not local_cache:
+            self.error(
+                "storage.local_cache",
+                f"is required with an s3:// {key}: this replica's own folder for downloads "
+                'in progress and its copies of blobs, e.g. "/var/cache/proxy"',
+            )
+        local_path = Path(local_cache or ".")
+        if local_cache and not local_path.is_absolute() and source != "embedded defaults":
+            local_path = Path(source).resolve().parent / local_path
+        max_size = self.value(
+            storage, "storage", "local_cache_max_size", Size(), DEFAULT_LOCAL_CACHE_MAX_SIZE
+        )
+        allowed = {"endpoint", "region", "path_style", "redirect_min_size"}
+        for name in s3_table:
+            if name not in allowed:
+                self.error(
+                    f"storage.s3.{name}",
+                    f"unknown key; expected one of {', '.join(sorted(allowed))} "
+                    "(credentials come from the AWS environment variables or shared files, "
+                    "never from the config)",
+                )
+        endpoint = self.value(s3_table, "storage.s3", "endpoint", Text())
+        if endpoint is not None:
+            parts = urlsplit(endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
+                self.error(
+                    "storage.s3.endpoint",
+                    f"{endpoint!r} is not an http:// or https:// URL without credentials "
+                    '(e.g. "http://127.0.0.1:8333")',
+                )
+        return (
+            ObjectStorageSettings(
+                bucket=bucket,
+                prefix=f"{prefix}/" if prefix else "",
+                local_cache=local_path,
+                local_cache_max_size=max_size,
+                endpoint=endpoint.rstrip("/") if endpoint else None,
+                region=self.value(s3_table, "storage.s3", "region", Text()),
+                path_style=self.value(s3_table, "storage.s3", "path_style", Flag(), False),
+                redirect_min_size=self.value(
+                    s3_table, "storage.s3", "redirect_min_size", OptionalSize()
+                ),
+            ),
+            None,
         )
 
     # -- repositories -------------------------------------------------------------

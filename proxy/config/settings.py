@@ -41,6 +41,7 @@ DEFAULT_MIN_FREE = 512 * 2**20  # /readyz fails below this much free storage
 # connections"): at most this many pooled, plus the one session connection.
 DEFAULT_POOL_SIZE = 10
 DEFAULT_POOL_IDLE_TIMEOUT_S = 30.0  # a pooled connection unused this long is closed
+DEFAULT_LOCAL_CACHE_MAX_SIZE = 10 * 10**9  # each replica's local tier on object storage
 DEFAULT_LEASE_TTL_S = 15.0
 DEFAULT_LEASE_POLL_INTERVAL_S = 0.25
 DEFAULT_LEASE_RETENTION_S = 24 * 3600.0
@@ -157,6 +158,27 @@ class StorageSettings:
 
 
 @dataclass(frozen=True)
+class ObjectStorageSettings:
+    """Blobs in an S3-compatible bucket (docs/architecture.md, "Object storage"):
+    ``storage.url = "s3://bucket/prefix/"`` and ``[storage.s3]``. Credentials come only
+    from the standard AWS chain (environment, shared files, web identity), never from
+    here."""
+
+    bucket: str
+    prefix: str  # "" or ending with "/"
+    local_cache: Path  # this replica's own disk tier (never shared)
+    local_cache_max_size: int = DEFAULT_LOCAL_CACHE_MAX_SIZE
+    endpoint: str | None = None  # None: AWS
+    region: str | None = None
+    path_style: bool = False
+    redirect_min_size: int | None = None  # None: hits are never redirected
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+@dataclass(frozen=True)
 class JobSettings:
     reclaim_interval_s: float = DEFAULT_RECLAIM_INTERVAL_S
     sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S
@@ -203,6 +225,12 @@ class Settings:
     log_format: str = DEFAULT_LOG_FORMAT
     tls: TlsSettings | None = None
     admin: AdminSettings = field(default_factory=AdminSettings)
+    object_storage: ObjectStorageSettings | None = None  # None: blobs in storage_path
+    # The relay (object storage only): the internal listener that serves in-flight
+    # downloads to other replicas, and the URL they reach it at (None: derived).
+    relay_host: str | None = None  # None: the public listen host
+    relay_port: int = 0  # 0: any free port
+    relay_url: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -245,6 +273,7 @@ class Settings:
                 if self.public_url is not None
                 else "# public_url is not set: URLs back to the proxy use each request's Host"
             ),
+            *_relay_keys(self),
             "[database]",
             f"url = {toml_string(self.database_url)}",
             (
@@ -256,6 +285,7 @@ class Settings:
             f'idle_timeout = "{format_duration(self.database.idle_timeout_s)}"',
             "[storage]",
             f"path = {toml_string(str(self.storage_path))}",
+            *_object_storage_keys(self.object_storage),
             f'min_free = "{format_size(self.storage.min_free)}"',
             (
                 f'max_size = "{format_size(self.storage.max_size)}"'
@@ -263,6 +293,7 @@ class Settings:
                 else "# max_size is not set: proxied entries are never evicted by size"
             ),
             f"low_watermark = {Percent().render(self.storage.low_watermark)}",
+            *_object_storage_table(self.object_storage),
             "[upstream]",
             f'connect_timeout = "{format_duration(self.upstream.connect_timeout_s)}"',
             f'read_timeout = "{format_duration(self.upstream.read_timeout_s)}"',
@@ -326,6 +357,44 @@ class Settings:
             if mirror.repository is not None:
                 lines.append(f"repository = {toml_string(mirror.repository)}")
         return redact("\n".join(lines)) + "\n"
+
+
+def _relay_keys(settings: Settings) -> list[str]:
+    if settings.object_storage is None:
+        return []
+    host = settings.relay_host if settings.relay_host is not None else settings.host
+    lines = [f"relay_listen = {toml_string(f'{host}:{settings.relay_port}')}"]
+    if settings.relay_url is not None:
+        lines.append(f"relay_url = {toml_string(settings.relay_url)}")
+    else:
+        lines.append("# relay_url is not set: derived from the relay's bound address")
+    return lines
+
+
+def _object_storage_keys(s3: ObjectStorageSettings | None) -> list[str]:
+    if s3 is None:
+        return []
+    return [
+        f"url = {toml_string(s3.url)}",
+        f"local_cache = {toml_string(str(s3.local_cache))}",
+        f'local_cache_max_size = "{format_size(s3.local_cache_max_size)}"',
+    ]
+
+
+def _object_storage_table(s3: ObjectStorageSettings | None) -> list[str]:
+    if s3 is None:
+        return []
+    table = ["[storage.s3]"]
+    if s3.endpoint is not None:
+        table.append(f"endpoint = {toml_string(s3.endpoint)}")
+    if s3.region is not None:
+        table.append(f"region = {toml_string(s3.region)}")
+    table.append(f"path_style = {'true' if s3.path_style else 'false'}")
+    if s3.redirect_min_size is not None:
+        table.append(f'redirect_min_size = "{format_size(s3.redirect_min_size)}"')
+    else:
+        table.append("# redirect_min_size is not set: hits are never redirected")
+    return table
 
 
 def _render(key: str, rendered: str) -> list[str]:

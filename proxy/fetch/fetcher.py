@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from proxy.cache.index import EntryIndex
@@ -41,12 +41,15 @@ from proxy.fetch.content import head_problem
 from proxy.fetch.content import problem as content_problem
 from proxy.fetch.download import Download
 from proxy.fetch.leases import HeldLease, LeaseCoordinator, Verdict
-from proxy.fetch.transfer import LocalFile, SharedFile, Source, Transfer
+from proxy.fetch.relay import RelayServer
+from proxy.fetch.relayed import RelayClient
+from proxy.fetch.transfer import LocalFile, SharedFile, Source, StoredBlob, Transfer
 from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.runtime.tasks import TaskSupervisor
-from proxy.storage.blobs import BlobStore, storage_error
+from proxy.storage.blobs import storage_error
+from proxy.storage.store import Storage
 from proxy.types import KNOWN_DIGESTS, Kind, Validators
 from proxy.upstream.client import traced
 
@@ -129,6 +132,8 @@ class Stale:
 
 
 Outcome = Stored | Streaming | Inline | Missing | Stale
+# (sha256, size, content type) -> a source of the stored body from its first byte.
+OpenStored = Callable[[str, int, str | None], Awaitable[Source]]
 
 
 class _Flight:
@@ -139,7 +144,7 @@ class _Flight:
         self.download: Download | None = None  # ours, when we download it
         self.transfer: Transfer | None = None  # what our clients read, once streaming
         self.outcome: Outcome | None = None
-        self.published: tuple[str, int] | None = None  # our verified blob: path, size
+        self.published: StoredBlob | None = None  # our verified blob
         self.requests = 1  # requests that asked for it while it ran (the first included)
 
     def progress(self) -> tuple[int, int]:
@@ -176,14 +181,24 @@ class Fetcher:
     def __init__(
         self,
         catalog: Catalog,
-        blobs: BlobStore,
+        storage: Storage,
         index: EntryIndex,
         leases: LeaseCoordinator,
         tasks: TaskSupervisor,
         clock: Clock,
+        open_stored: OpenStored | None = None,
+        relay: RelayServer | None = None,
+        relays: RelayClient | None = None,
     ) -> None:
+        """``open_stored``: how a stored blob is read here from its first byte (object
+        storage: the local tier's copy, or the object as it arrives); the folder store
+        opens its file. ``relay`` serves our downloads to other replicas, ``relays``
+        follows theirs, when the storage shares no temp files."""
         self.catalog = catalog
-        self.blobs = blobs
+        self.storage = storage
+        self.open_stored = open_stored or self._open_file
+        self.relay = relay
+        self.relays = relays
         self.index = index
         self.leases = leases
         self.tasks = tasks
@@ -263,7 +278,7 @@ class Fetcher:
                 miss.repository,
                 miss.key,
                 lambda: self._find_fresh(miss),
-                lambda stream: self._follow(miss, flight, stream),
+                lambda stream, fence: self._follow(miss, flight, stream, fence),
             )
             if result.verdict is Verdict.ENTRY:
                 entry = result.entry
@@ -309,19 +324,37 @@ class Fetcher:
             outcome = flight.outcome
             entry = outcome.entry if isinstance(outcome, Stored) else None
             if entry is not None and entry.sha256 is not None:
-                await transfer.stored(self.blobs.path_str(entry.sha256), entry.size, entry)
+                blob = self.stored_blob(entry.sha256, entry.size, entry.content_type)
+                await transfer.stored(blob, entry)
             elif flight.published is not None:  # verified and kept, but not recorded
-                await transfer.stored(*flight.published, None)
+                await transfer.stored(flight.published, None)
             else:
                 transfer.fail(
                     TransferCut(f"{miss.key}: the fetch ended without the body being read")
                 )
 
-    async def _follow(self, miss: Miss, flight: _Flight, stream: StreamInfo) -> None:
-        """Serve our clients from the file another replica announced."""
+    def stored_blob(self, sha256: str, size: int, content_type: str | None) -> StoredBlob:
+        async def open_blob() -> Source:
+            return await self.open_stored(sha256, size, content_type)
+
+        return StoredBlob(sha256, size, self.storage.blob_path(sha256), open_blob)
+
+    async def _open_file(self, sha256: str, size: int, content_type: str | None) -> Source:
+        path = self.storage.blob_path(sha256)
+        return await SharedFile.open(path, content_type, size, self.tasks.spawn, complete=True)
+
+    async def _follow(self, miss: Miss, flight: _Flight, stream: StreamInfo, fence: int) -> None:
+        """Serve our clients from the file another replica announced, or its relay."""
         if not miss.spec.stream:
             return
-        path = str(self.blobs.tmp_dir / stream.file)
+        if stream.relay is not None and self.relays is not None:
+            relayed = await self.relays.follow(stream, fence, self.tasks.spawn)
+            if relayed is not None:
+                self._attach(flight, relayed)
+            return
+        if stream.file is None or not self.storage.shares_temp_files:
+            return  # nothing here can read it: the entry will do
+        path = str(self.storage.files.tmp_dir / stream.file)
         if not _is_plain_name(stream.file):
             log.warning("ignoring a stream announcement naming %r", stream.file)
             return
@@ -465,14 +498,15 @@ class Fetcher:
         expected = {name: value.lower() for name, value in fetched.expected.items()}
         expected = {name: value for name, value in expected.items() if name in KNOWN_DIGESTS}
         wanted = set(spec.digests) | set(expected)
-        temp = await self.blobs.new_temp(wanted)
+        temp = await self.storage.files.new_temp(wanted)
         download = Download(fetched.content_type, fetched.length)
         flight.download = download
         upstream_bytes = metrics.UPSTREAM_BYTES.labels(repository=miss.repository)
         streaming = False
+        relayed: Transfer | None = None  # what our relay serves other replicas
 
         def progressed(written: int) -> None:
-            nonlocal streaming
+            nonlocal streaming, relayed
             if download.error is not None:
                 return  # a write that finished after the fetch failed: nothing to offer
             download.advance_to(written)
@@ -483,9 +517,15 @@ class Fetcher:
             if spec.stream and not streaming and total is not None and written < total:
                 streaming = True
                 self._attach(flight, LocalFile(download, temp.reader_fd()))
-                if held is not None:
+                if held is not None and self.storage.shares_temp_files:
                     # Other replicas' clients read the same file as it grows.
                     stream = StreamInfo(temp.path.name, download.content_type, total)
+                    self.tasks.spawn(f"announce:{spec.key}", held.announce_stream(stream))
+                elif held is not None and self.relay is not None:
+                    # No shared volume: other replicas read it through our relay.
+                    relayed = Transfer(LocalFile(download, temp.reader_fd()), self.tasks.spawn)
+                    token = self.relay.offer(held.fence, relayed)
+                    stream = StreamInfo(None, download.content_type, total, self.relay.url, token)
                     self.tasks.spawn(f"announce:{spec.key}", held.announce_stream(stream))
 
         temp.on_progress = progressed
@@ -524,11 +564,16 @@ class Fetcher:
                 if why is not None:
                     raise _refused(spec, why)
             download.verify()  # the last byte may go out now, before our fsync
-            sha256 = await self.blobs.publish(temp)
-            flight.published = (self.blobs.path_str(sha256), temp.size)
+            sha256 = await self.storage.publish(temp)
+            stored = self.stored_blob(sha256, temp.size, download.content_type)
+            flight.published = stored
         except BaseException as exc:
             await temp.discard()
-            download.fail(exc if isinstance(exc, Exception) else ShuttingDown("shutting down"))
+            error = exc if isinstance(exc, Exception) else ShuttingDown("shutting down")
+            download.fail(error)
+            if relayed is not None:
+                self._end_relay(held, relayed)
+                relayed.fail(error)
             raise
         fetched_at = self.clock.now_ms()
         package = miss.package()
@@ -559,22 +604,27 @@ class Fetcher:
             metrics.CATALOG_ERRORS.labels(operation="put_entry").inc()
             log.error("could not record repository=%s key=%s: %s", miss.repository, spec.key, exc)
             download.finish()
+            if relayed is not None:
+                self._end_relay(held, relayed)
+                await relayed.stored(stored, None)
             if flight.transfer is None:
-                blob = await SharedFile.open(
-                    self.blobs.path_str(sha256),
-                    download.content_type,
-                    temp.size,
-                    self.tasks.spawn,
-                    complete=True,
-                )
-                flight.transfer = Transfer(blob, self.tasks.spawn)
+                flight.transfer = Transfer(await stored.open(), self.tasks.spawn)
             flight.settle(Streaming(flight.transfer))  # _conclude releases its last byte
             return
         self.index.put(entry)
         download.finish()
+        if relayed is not None:
+            self._end_relay(held, relayed)
+            await relayed.stored(stored, entry)
         if flight.transfer is not None:
-            await flight.transfer.stored(self.blobs.path_str(sha256), temp.size, entry)
+            await flight.transfer.stored(stored, entry)
         flight.settle(Stored(entry))
+
+    def _end_relay(self, held: HeldLease | None, relayed: Transfer) -> None:
+        """No new relay request is taken for this download; those reading it finish
+        (or are cut, if it failed) as its transfer concludes."""
+        if self.relay is not None and held is not None:
+            self.relay.withdraw(held.fence)
 
 
 async def _head_checked(body: AsyncIterator[bytes], spec: FetchSpec) -> AsyncIterator[bytes]:

@@ -253,10 +253,11 @@ class LeaseCoordinator:
         repository: str,
         key: str,
         find_entry: Callable[[], Awaitable[Entry | None]],
-        on_stream: Callable[[StreamInfo], Awaitable[None]],
+        on_stream: Callable[[StreamInfo, int], Awaitable[None]],
     ) -> WaitResult:
         """Wait, detached from any client, until the holder's outcome is known. Each
-        file a holder announces is handed to ``on_stream`` once, and the wait goes on:
+        file (or relay) a holder announces is handed to ``on_stream`` once, with the
+        holder's fence, and the wait goes on:
         a waiter that follows the holder's stream claims no more."""
         lkey = lease_key(repository, key)
         started = self.clock.monotonic()
@@ -271,7 +272,7 @@ class LeaseCoordinator:
                 seen = max(seen, row.fence)
                 if row.stream is not None and row.fence != following:
                     following = row.fence
-                    await on_stream(row.stream)
+                    await on_stream(row.stream, row.fence)
                 row = await self._next(lkey, waiter, row, seen)
             result = await self._outcome(row, find_entry)
             outcome = result.verdict.value

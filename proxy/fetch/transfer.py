@@ -27,7 +27,7 @@ import hashlib
 import logging
 import os
 import stat
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,7 +77,25 @@ class Source(Protocol):
         """sha256 of the first ``length`` bytes (blocking: run it in a thread)."""
         ...
 
+    async def is_stored(self, blob: StoredBlob) -> bool:
+        """Is ``blob`` the very body this source has been giving (so its last byte may
+        go out from here)? Called once the body is stored; a source that says yes is
+        complete from then on."""
+        ...
+
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    """A stored body, as this host reads it: ``path`` is where its complete file is, or
+    will be (the local tier's copy of an object may not be there yet); ``open`` gives a
+    source of it from its first byte (the file, or the object as it arrives)."""
+
+    sha256: str
+    size: int
+    path: str
+    open: Callable[[], Awaitable[Source]]
 
 
 def _digest(fd: int, length: int) -> str:
@@ -144,6 +162,9 @@ class LocalFile:
         assert self._fd is not None
         return _digest(self._fd, length)
 
+    async def is_stored(self, blob: StoredBlob) -> bool:
+        return False  # our own download is complete once verified, before it is stored
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -209,20 +230,24 @@ class SharedFile:
         assert self._fd is not None
         return _digest(self._fd, length)
 
-    async def is_file(self, path: str) -> bool:
-        """Is ``path`` (a published blob) the very file we have been reading?"""
+    async def is_stored(self, blob: StoredBlob) -> bool:
+        """Is the published blob the very file we have been reading (same device and
+        inode: publishing is a rename)?"""
         fd = self._fd
         if fd is None:
             return False
 
         def same() -> bool:
-            ours, theirs = os.fstat(fd), os.stat(path)
+            ours, theirs = os.fstat(fd), os.stat(blob.path)
             return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
 
         try:
-            return await run_blocking(same)
+            if not await run_blocking(same):
+                return False
         except OSError:
             return False
+        self.mark_complete()
+        return True
 
     def mark_complete(self) -> None:
         self._complete = True
@@ -271,7 +296,7 @@ class Transfer:
         self.entry: Entry | None = None
         self._spawn = spawn
         self._source: Source | None = source
-        self._blob_path: str | None = None  # where the body lives once it is stored
+        self._blob: StoredBlob | None = None  # the body once it is stored
         self._readers = 0
         self._waiting_for_source = False
         self._served = 0  # the most bytes any client has been given
@@ -318,41 +343,40 @@ class Transfer:
         """Stored or failed: nothing more will happen to it."""
         return self._done.is_set()
 
-    async def stored(self, blob_path: str, size: int, entry: Entry | None) -> None:
-        """The body is stored at ``blob_path`` (``entry`` None: not recorded). If it is
-        the very body our source has (our verified download; another replica's file,
-        now renamed to the blob), the rest is released from it; otherwise the blob
-        becomes the source, once proven to begin with what was sent."""
+    async def stored(self, blob: StoredBlob, entry: Entry | None) -> None:
+        """The body is stored as ``blob`` (``entry`` None: not recorded). If it is the
+        very body our source has (our verified download; another replica's file, now
+        renamed to the blob; a relayed copy whose digest is the blob's), the rest is
+        released from it; otherwise the blob becomes the source, once proven to begin
+        with what was sent."""
         if self._done.is_set():
             return
         source = self._source
-        if source is not None and not self._waiting_for_source and size == self.total:
+        if source is not None and not self._waiting_for_source and blob.size == self.total:
             if source.complete():
-                self._finish(entry, blob_path)
+                self._finish(entry, blob)
                 return
             if (
-                isinstance(source, SharedFile)
-                and await source.is_file(blob_path)
-                and source is self._source  # still: is_file waited
+                await source.is_stored(blob)
+                and source is self._source  # still: is_stored waited
                 and not self._waiting_for_source
             ):
-                source.mark_complete()
-                self._finish(entry, blob_path)
+                self._finish(entry, blob)
                 return
         try:
-            blob = await SharedFile.open(blob_path, self.content_type, size, self._spawn, True)
-        except OSError as exc:
+            new = await blob.open()
+        except (OSError, ProxyError) as exc:
             self.fail(TransferCut(f"the stored body cannot be read: {exc}"))
             return
         if self._done.is_set():  # failed (maybe handed on) while the blob was opened
-            blob.close()
+            new.close()
             return
-        self.replace(blob)
-        self._finish(entry, blob_path)
+        self.replace(new)
+        self._finish(entry, blob)
 
-    def _finish(self, entry: Entry | None, blob_path: str) -> None:
+    def _finish(self, entry: Entry | None, blob: StoredBlob) -> None:
         self.entry = entry
-        self._blob_path = blob_path
+        self._blob = blob
         self._done.set()
         self._announce()
         self._maybe_close()
@@ -434,11 +458,9 @@ class Transfer:
         async with self._reopen_lock:  # readers that come together share one descriptor
             if self._source is not None:
                 return
-            if self._blob_path is None:
+            if self._blob is None:
                 raise TransferCut("the download ended before this reader started")
-            self._source = await SharedFile.open(
-                self._blob_path, self.content_type, self.total, self._spawn, complete=True
-            )
+            self._source = await self._blob.open()
 
     def _announce(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -485,8 +507,8 @@ class Transfer:
             new.close()
             return
         successor = Transfer(new, self._spawn, self._on_changed)
-        if self._done.is_set() and self.error is None and self._blob_path is not None:
-            successor._finish(self.entry, self._blob_path)
+        if self._done.is_set() and self.error is None and self._blob is not None:
+            successor._finish(self.entry, self._blob)
         self._on_changed(successor)
 
     async def _prove(self, new: Source) -> None:

@@ -27,15 +27,13 @@ from proxy.config.settings import Settings
 from proxy.contract import Request
 from proxy.contract import Response as ASGIResponse
 from proxy.engine import Engine, Seams, open_engine
-from proxy.exceptions import CatalogError, NotConfigured, NotFound, describe_os_error
+from proxy.exceptions import CatalogError, NotConfigured, NotFound
 from proxy.http import errors, responses
 from proxy.http.access_log import AccessLogMiddleware
 from proxy.http.paths import check_headers, split_path
 from proxy.redaction import redact
 from proxy.runtime import metrics
-from proxy.runtime.blocking import run_blocking
 from proxy.types import Receive, Scope, Send
-from proxy.units import format_size, human_size
 
 log = logging.getLogger("proxy.app")
 
@@ -94,7 +92,7 @@ def create_app(
                 "proxy ready: holder=%s catalog=%s storage=%s repositories=%s",
                 engine.holder,
                 engine.catalog.backend,
-                settings.storage_path,
+                engine.storage.description,
                 ", ".join(f"/{r.name}/ ({r.format})" for r in settings.repositories),
             )
             try:
@@ -223,17 +221,7 @@ async def readyz(request: StarletteRequest) -> Response:
             await state.catalog.ping()
     except (CatalogError, TimeoutError) as exc:
         problems.append(f"catalog: {exc or 'timed out'}")
-    try:
-        await run_blocking(state.blobs.check_writable)
-        free = await run_blocking(state.blobs.free_bytes)
-    except OSError as exc:
-        problems.append(f"storage: cannot write ({describe_os_error(exc)})")
-    else:
-        floor = state.settings.storage.min_free
-        if free < floor:
-            problems.append(
-                f"storage: {human_size(free)} free, under storage.min_free ({format_size(floor)})"
-            )
+    problems += await state.storage.problems(state.settings.storage.min_free)
     if state.tasks.closing:
         problems.append("shutting down")
     # An upstream that is down does not make us unready (cached files and stale pages

@@ -39,6 +39,7 @@ from proxy.exceptions import (
     RetryLater,
     ShuttingDown,
     StorageError,
+    StorageUnavailable,
     TooManyRequests,
     TransferCut,
     Unauthorized,
@@ -119,6 +120,12 @@ RULES: dict[type[BaseException], Rule] = {
         503,
         logging.ERROR,
         public="the cache storage is unavailable; try again",
+        headers=_retry_after,
+    ),
+    StorageUnavailable: Rule(
+        503,
+        logging.ERROR,
+        public="the cache's object storage is unavailable (unreachable or throttling); try again",
         headers=_retry_after,
     ),
     # Getting the body failed (and no stale copy could answer).

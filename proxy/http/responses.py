@@ -3,6 +3,8 @@ progress, inline bodies, and plain-text errors.
 
 These are bare ASGI callables rather than Starlette responses: the cache hit is the
 hot path, and a small blob is answered from memory in one ``send`` with no thread hop.
+A stored blob's bytes come from a ``BlobBody``: its file here (``FileBody``), or, on
+object storage, the object as it arrives into the local tier (``fetch/fill.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from proxy.catalog import Entry
 from proxy.contract import BASE_URL_MARK, Request
@@ -76,6 +79,52 @@ class HotBlobs:
         while self.size_bytes > self.capacity_bytes:
             _, old = self._items.popitem(last=False)
             self.size_bytes -= len(old)
+
+
+class BlobBody(Protocol):
+    """Where the bytes of one stored blob come from, for one answer."""
+
+    async def check(self) -> None:
+        """Raise FileNotFoundError if the blob is known to be gone (a HEAD's check;
+        only what costs nothing remote: the catalog already knows the size)."""
+        ...
+
+    async def read_all(self) -> bytes:
+        """The whole (small) body; FileNotFoundError if the blob is gone."""
+        ...
+
+    async def open(self) -> int | Transfer:
+        """A descriptor of the complete file (the caller's to close), or the body as
+        it arrives (its last byte held back until verified); FileNotFoundError if the
+        blob is gone."""
+        ...
+
+    async def complete_path(self) -> str:
+        """A complete file of the blob on this host (object storage: once the local tier
+        has it); FileNotFoundError if the blob is gone."""
+        ...
+
+
+class FileBody:
+    """A blob's complete file on this host. File calls go to a thread: the storage may
+    be a network volume."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    async def check(self) -> None:
+        await run_blocking(os.stat, self.path)
+
+    async def read_all(self) -> bytes:
+        return await run_blocking(_read_file, self.path)
+
+    async def open(self) -> int | Transfer:
+        return await run_blocking(os.open, self.path, os.O_RDONLY)
+
+    async def complete_path(self) -> str:
+        return self.path
 
 
 class BodyResponse:
@@ -154,41 +203,56 @@ class FileResponse:
 
 
 class DownloadResponse:
-    """A body still arriving from upstream; a failed fetch ends it short."""
+    """A body still arriving (from upstream, another replica, or the bucket), or bytes
+    ``start`` up to ``start + length`` of it; a failed transfer ends it short."""
 
-    def __init__(self, headers: Headers, download: Transfer, repository: str, head: bool) -> None:
+    def __init__(
+        self,
+        headers: Headers,
+        download: Transfer,
+        repository: str,
+        head: bool,
+        status: int = 200,
+        start: int = 0,
+        length: int | None = None,
+    ) -> None:
         self.headers = headers
         self.download = download
         self.repository = repository
         self.head = head
+        self.status = status
+        self.start = start
+        self.end = download.total if length is None else start + length
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
         if self.head:
             await send({"type": "http.response.body", "body": b""})
             return
         disconnected = asyncio.Event()
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, disconnected))
         sender: SocketFileSender | None = scope.get("extensions", {}).get(SENDFILE_EXTENSION)
-        reader = self.download.reader()
+        reader = self.download.reader(self.start)
+        end = self.end
         try:
-            while True:
+            while reader.offset < end:
                 await send(_WAIT_WRITABLE)
                 span = await reader.next_span()
                 if span is None:
                     break
                 if disconnected.is_set():
                     return
+                upto = min(span.end, end)
                 fd = span.source.fd
                 if sender is not None and span.source.page_cached and fd is not None:
                     # Straight from the page cache to the socket, while it takes bytes;
                     # when it is full, one chunk goes the ordinary way and waits.
-                    sent = sender.try_send(fd, reader.offset, span.end - reader.offset)
+                    sent = sender.try_send(fd, reader.offset, upto - reader.offset)
                     if sent:
                         reader.sent(sent)
                         note_sent(sent)
                         continue
-                data = await reader.read(span, SEND_CHUNK_BYTES)
+                data = await reader.read(span, min(SEND_CHUNK_BYTES, upto - reader.offset))
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -199,7 +263,7 @@ class DownloadResponse:
         finally:
             watcher.cancel()
             reader.close()
-            metrics.BYTES_SERVED.labels(repository=self.repository).inc(reader.offset)
+            metrics.BYTES_SERVED.labels(repository=self.repository).inc(reader.offset - self.start)
 
 
 async def _watch_disconnect(receive: Receive, disconnected: asyncio.Event) -> None:
@@ -267,6 +331,19 @@ class FormatResponses:
         return inline(request.headers, request.method, body, content_type, {}, self.repository)
 
 
+def redirect_to_storage(url: str) -> BodyResponse:
+    """A hit sent to the storage itself (``[storage.s3] redirect_min_size``): a temporary
+    redirect to a short-lived presigned URL, which nobody may keep."""
+    body = b"the file is served by the storage; follow the redirect\n"
+    headers = [
+        (b"location", url.encode("ascii")),
+        (b"cache-control", NEVER_STORE),
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    return BodyResponse(307, headers, body)
+
+
 def inline(
     request_headers: Mapping[str, str],
     method: str,
@@ -290,11 +367,11 @@ async def blob(
     request_headers: Mapping[str, str],
     method: str,
     entry: Entry,
-    path: str,
+    body: BlobBody,
     hot: HotBlobs,
     extra: Mapping[str, str],
     now_ms: int,
-) -> BodyResponse | FileResponse:
+) -> BodyResponse | FileResponse | DownloadResponse:
     """Serve a stored entry. Raises FileNotFoundError if its blob is gone."""
     assert entry.sha256 is not None
     etag = etag_of(entry.sha256)
@@ -331,19 +408,20 @@ async def blob(
             status = 206
             headers.append((b"content-range", f"bytes {start}-{end}/{size}".encode()))
     headers.append((b"content-length", str(length).encode()))
-    # File system calls go to a thread: the storage may be a network volume.
     if method == "HEAD":
         if hot.get(entry.sha256) is None:  # in memory: served as a GET would be, no stat
-            await run_blocking(os.stat, path)  # raises FileNotFoundError if the blob is gone
+            await body.check()  # raises FileNotFoundError if the blob is gone
         return BodyResponse(status, headers, b"", entry.repository)
     if size <= HOT_MAX_BLOB_BYTES:
-        body = hot.get(entry.sha256)
-        if body is None:
-            body = await run_blocking(_read_file, path)
-            hot.put(entry.sha256, body)
-        return BodyResponse(status, headers, body[start : start + length], entry.repository)
-    fd = await run_blocking(os.open, path, os.O_RDONLY)
-    return FileResponse(status, headers, fd, start, length, entry.repository)
+        data = hot.get(entry.sha256)
+        if data is None:
+            data = await body.read_all()
+            hot.put(entry.sha256, data)
+        return BodyResponse(status, headers, data[start : start + length], entry.repository)
+    opened = await body.open()
+    if isinstance(opened, int):
+        return FileResponse(status, headers, opened, start, length, entry.repository)
+    return DownloadResponse(headers, opened, entry.repository, False, status, start, length)
 
 
 class MarkCounts:
@@ -378,7 +456,7 @@ async def relocated_blob(
     request_headers: Mapping[str, str],
     method: str,
     entry: Entry,
-    path: str,
+    blob_body: BlobBody,
     hot: HotBlobs,
     marks: MarkCounts,
     extra: Mapping[str, str],
@@ -411,11 +489,12 @@ async def relocated_blob(
     if entry.size <= HOT_MAX_BLOB_BYTES:
         body = hot.get(entry.sha256)
         if body is None:
-            body = await run_blocking(_read_file, path)
+            body = await blob_body.read_all()
             hot.put(entry.sha256, body)
         served = body.replace(MARK, base)
         headers.append((b"content-length", str(len(served)).encode()))
         return BodyResponse(200, headers, b"" if method == "HEAD" else served, entry.repository)
+    path = await blob_body.complete_path()  # counted, then read, whole
     count = await marks.of(entry.sha256, path)
     length = entry.size + count * (len(base) - len(MARK))
     headers.append((b"content-length", str(length).encode()))

@@ -25,7 +25,7 @@ from proxy.runtime.tasks import TaskSupervisor
 if TYPE_CHECKING:
     from proxy.cache import Cache
     from proxy.config.settings import Settings
-    from proxy.storage.blobs import BlobStore
+    from proxy.storage.store import Storage
 
 log = logging.getLogger("proxy.jobs")
 
@@ -126,7 +126,7 @@ def _raise_if_cancelling() -> None:
 def standard_jobs(
     settings: Settings,
     catalog: Catalog,
-    blobs: BlobStore,
+    storage: Storage,
     cache: Cache,
     clock: Clock,
     size_limits: dict[str, int],
@@ -140,9 +140,9 @@ def standard_jobs(
     from proxy.jobs.sweep import RepositorySweep
 
     intervals = settings.jobs
-    reclaim = Reclaim(catalog, blobs, clock, settings.leases.retention_s)
-    storage = settings.storage
-    evict = Eviction(storage.max_size, storage.low_watermark, intervals.evict_grace_s, cache)
+    reclaim = Reclaim(catalog, storage, clock, settings.leases.retention_s)
+    bounds = settings.storage
+    evict = Eviction(bounds.max_size, bounds.low_watermark, intervals.evict_grace_s, cache)
     jobs = [
         Job("reclaim", intervals.reclaim_interval_s, reclaim.run),
         Job("evict", intervals.evict_interval_s, evict.run),

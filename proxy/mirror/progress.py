@@ -3,22 +3,11 @@ plain line per item otherwise (logs, CI). No dependency: ``\\r`` and a fixed wid
 
 from __future__ import annotations
 
-import shutil
 from typing import TextIO
 
 from proxy.mirror.runner import MirrorSummary, Outcome
+from proxy.runtime.progress import printable, redraw
 from proxy.units import human_size
-
-BAR_WIDTH = 24
-
-
-def printable(text: str) -> str:
-    """``text`` with what a terminal should not get escaped (``\\x1b``, ``\\ud800``): a
-    label may be a purl from an SBOM, which is anything. A lone surrogate cannot even
-    be encoded, and control characters would rewrite the operator's screen."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 class MirrorProgress:
@@ -54,14 +43,11 @@ class MirrorProgress:
     def _draw(self, label: str) -> None:
         s = self.summary
         done = s.fetched + s.cached + s.missing + s.failed + s.skipped
-        total = max(self.total, done, 1)
-        filled = BAR_WIDTH * done // total
-        bar = "#" * filled + "." * (BAR_WIDTH - filled)
-        line = (
-            f"[{bar}] {done}/{total}  fetched {s.fetched} ({human_size(s.bytes)})  "
-            f"cached {s.cached}  failed {s.failed}  {label}"
+        redraw(
+            self.out,
+            done,
+            self.total,
+            f"fetched {s.fetched} ({human_size(s.bytes)})  cached {s.cached}  "
+            f"failed {s.failed}  {label}",
         )
-        width = shutil.get_terminal_size((100, 24)).columns - 1
-        self.out.write("\r" + line[:width].ljust(width))
-        self.out.flush()
         self._drawn = True

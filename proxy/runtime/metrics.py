@@ -158,6 +158,24 @@ STORAGE_ERRORS = Counter(
     "Blob storage operations that failed, by operation and errno (ENOSPC, EIO, ...)",
     ["operation", "errno"],
 )
+STORAGE_REQUESTS = Counter(
+    "proxy_storage_requests_total",
+    "Requests sent to the object storage (every attempt), by operation (get, put, "
+    "upload_part, list, delete, ...)",
+    ["operation"],
+)
+RELAY_REQUESTS = Counter(
+    "proxy_relay_requests_total",
+    "Requests to this process's relay, by result (served, forbidden: a wrong token, "
+    "unknown: no download under that fence, failed)",
+    ["result"],
+)
+RELAY_FOLLOWS = Counter(
+    "proxy_relay_follows_total",
+    "Other replicas' relays followed, by result (started, refused: the announced URL is no "
+    "relay's, unproven: the answer lacked the relay's proof)",
+    ["result"],
+)
 EVENT_LOOP_LAG = Histogram(
     "proxy_event_loop_lag_seconds",
     "How late the event loop ran a periodic probe (time it was busy with something else)",

@@ -4,6 +4,9 @@ A blob is written to a temp file under ``{root}/tmp/`` (same filesystem), hashed
 is written, fsynced, then moved into place with ``os.replace``. A crash mid-write leaves
 only a temp file (reclaimed later); two writers of the same bytes publish the same name,
 so a duplicate store is harmless.
+
+``BlobStore`` is the folder ``Storage`` (one volume every replica shares), and also the
+folder of the object store's local tier on each replica (``storage/local_tier.py``).
 """
 
 from __future__ import annotations
@@ -15,16 +18,21 @@ import functools
 import hashlib
 import os
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
-from proxy.exceptions import StorageError
+from proxy.exceptions import StorageError, describe_os_error
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.types import Digests
+from proxy.units import format_size, human_size
 
 TEMP_SUFFIX = ".part"
 WRITE_QUEUE_MAX_BYTES = 8 * 1024 * 1024  # queued behind the batch in flight: then wait
+# A blob file no entry refers to is deleted by reclaim only once it is this old: a fetch
+# or upload may have just published it and be about to record its entry.
+ORPHAN_MIN_AGE_S = 3600.0
+CANDIDATE_BATCH = 1000  # names per catalog question of the orphan sweep
 
 
 class TempBlob:
@@ -172,17 +180,72 @@ class TempBlob:
 
 
 class BlobStore:
-    """Blob files under one root, shared by every replica."""
+    """Blob files under one root, shared by every replica (the folder ``Storage``)."""
+
+    shares_temp_files = True
+    orphan_min_age_s = ORPHAN_MIN_AGE_S
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.blobs_dir = root / "blobs"
         self.tmp_dir = root / "tmp"
         self._blobs_prefix = f"{self.blobs_dir}/"
+        self.description = f"folder {root}"
+
+    @property
+    def files(self) -> BlobStore:
+        return self
 
     def prepare(self) -> None:
         self.blobs_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    async def start(self) -> None:
+        try:
+            await run_blocking(self.prepare)
+        except OSError as exc:
+            raise StorageError.from_os_error(f"storage.path: cannot use {self.root}", exc) from exc
+
+    async def close(self) -> None:
+        pass
+
+    def local_path(self, sha256: str) -> str | None:
+        return self.path_str(sha256)
+
+    def blob_path(self, sha256: str) -> str:
+        return self.path_str(sha256)
+
+    async def delete(self, sha256s: Iterable[str], cutoff_s: float) -> tuple[set[str], set[str]]:
+        return await run_blocking(self.delete_older, list(sha256s), cutoff_s)
+
+    async def candidates(self, cutoff_s: float) -> AsyncIterator[list[str]]:
+        def older() -> list[str]:
+            return [
+                sha
+                for sha, _size, mtime in self.iter_blobs()
+                if mtime < cutoff_s and is_sha256(sha)
+            ]
+
+        names = await run_blocking(older)
+        for start in range(0, len(names), CANDIDATE_BATCH):
+            yield names[start : start + CANDIDATE_BATCH]
+
+    async def remove_leftovers(self, before_s: float) -> int:
+        return await run_blocking(self.remove_stale_temps, before_s)
+
+    async def problems(self, min_free: int) -> list[str]:
+        try:
+            await run_blocking(self.check_writable)
+            free = await run_blocking(self.free_bytes)
+        except OSError as exc:
+            return [f"storage: cannot write ({describe_os_error(exc)})"]
+        if free < min_free:
+            floor = format_size(min_free)
+            return [f"storage: {human_size(free)} free, under storage.min_free ({floor})"]
+        return []
+
+    async def redirect(self, sha256: str, size: int) -> str | None:
+        return None
 
     def path(self, sha256: str) -> Path:
         return self.blobs_dir / sha256[:2] / sha256[2:4] / sha256
@@ -223,16 +286,6 @@ class BlobStore:
         except OSError as exc:
             raise storage_error(f"publishing {target}", "publish", exc) from exc
         return sha256
-
-    async def delete(self, sha256: str) -> bool:
-        def unlink() -> bool:
-            try:
-                os.unlink(self.path(sha256))
-                return True
-            except FileNotFoundError:
-                return False
-
-        return await run_blocking(unlink)
 
     def delete_older(self, sha256s: Iterable[str], cutoff_s: float) -> tuple[set[str], set[str]]:
         """Delete the blobs whose file was last modified before ``cutoff_s`` (blocking:
@@ -316,6 +369,10 @@ def storage_error(what: str, operation: str, exc: OSError) -> StorageError:
     code = errno.errorcode.get(exc.errno or 0, "other")
     metrics.STORAGE_ERRORS.labels(operation=operation, errno=code).inc()
     return error
+
+
+def is_sha256(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def _scandir_dirs(path: Path) -> list[str]:

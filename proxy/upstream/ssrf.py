@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass
 from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
@@ -200,3 +201,46 @@ def _origin(parts: SplitResult) -> tuple[str, str, int | None]:
     except ValueError:
         port = None
     return parts.scheme, (parts.hostname or "").lower(), port
+
+
+# -- relays (docs/architecture.md, "Streaming across replicas on object storage") -------
+
+_HOST_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+
+
+def relay_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a relay's address, or None if it can. A relay's URL comes
+    from a lease row: a plain ``http://host:port``, never an address no relay can have
+    (unspecified, multicast, link-local, cloud metadata)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme != "http":
+        return "not http://"
+    if parts.username is not None or parts.password is not None:
+        return "has credentials"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return "has a path, query or fragment"
+    if port is None:
+        return "has no port"
+    host = parts.hostname or ""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None if _HOST_RE.match(host) else f"{host!r} is not a host name"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if (
+        address.is_unspecified
+        or address.is_multicast
+        or address.is_link_local
+        or address in CLOUD_METADATA
+        or address == ipaddress.IPv4Address("255.255.255.255")
+    ):
+        return f"{address} is no relay's address"
+    return None

@@ -170,7 +170,8 @@ WITH fresh AS (
     SET holder = $2, fence = nextval('fetch_lease_fence'), state = 'fetching',
         acquired_at = clock_timestamp(), renewed_at = clock_timestamp(),
         expires_at = clock_timestamp() + make_interval(secs => $3),
-        stream_file = NULL, stream_type = NULL, stream_length = NULL, written = NULL, waiters = NULL
+        stream_file = NULL, stream_type = NULL, stream_length = NULL, written = NULL, waiters = NULL,
+        stream_relay = NULL, stream_token = NULL
     FROM fresh
     WHERE l.key = $1 AND NOT fresh.stored
       AND (l.holder = $2 OR l.state <> 'fetching' OR l.expires_at <= clock_timestamp())
@@ -200,15 +201,18 @@ UPDATE fetch_leases SET state = $4, expires_at = greatest(clock_timestamp(), acq
 WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
 
 -- name: announce_stream
--- ($1 key, $2 holder, $3 fence, $4 temp file name, $5 content type, $6 length): only our
+-- ($1 key, $2 holder, $3 fence, $4 temp file name, $5 content type, $6 length,
+-- $7 relay URL, $8 relay token; a shared volume names the file, object storage the
+-- relay): only our
 -- own live mandate; the trigger wakes the waiters.
-UPDATE fetch_leases SET stream_file = $4, stream_type = $5, stream_length = $6
+UPDATE fetch_leases SET stream_file = $4, stream_type = $5, stream_length = $6,
+    stream_relay = $7, stream_token = $8
 WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
 
 -- name: select_lease
 -- remaining_s: seconds until the lease expires unless renewed (0 once expired).
 SELECT key, holder, fence, state, expires_at <= clock_timestamp() AS expired,
-       stream_file, stream_type, stream_length,
+       stream_file, stream_type, stream_length, stream_relay, stream_token,
        greatest(extract(epoch FROM expires_at - clock_timestamp()), 0)::float8 AS remaining_s
 FROM fetch_leases WHERE key = $1
 

@@ -163,7 +163,8 @@ ON CONFLICT (key) DO UPDATE SET
     holder = excluded.holder, fence = excluded.fence, state = 'fetching',
     acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at,
     expires_at = excluded.expires_at,
-    stream_file = NULL, stream_type = NULL, stream_length = NULL, written = NULL, waiters = NULL
+    stream_file = NULL, stream_type = NULL, stream_length = NULL, written = NULL, waiters = NULL,
+    stream_relay = NULL, stream_token = NULL
 WHERE fetch_leases.holder = excluded.holder
    OR fetch_leases.state <> 'fetching'
    OR fetch_leases.expires_at <= clock_ms()
@@ -182,15 +183,18 @@ UPDATE fetch_leases SET state = ?4, expires_at = max(clock_ms(), acquired_at)
 WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
 
 -- name: announce_stream
--- (?1 key, ?2 holder, ?3 fence, ?4 temp file name, ?5 content type, ?6 length): only our
+-- (?1 key, ?2 holder, ?3 fence, ?4 temp file name, ?5 content type, ?6 length,
+-- ?7 relay URL, ?8 relay token; a shared volume names the file, object storage the
+-- relay): only our
 -- own live mandate.
-UPDATE fetch_leases SET stream_file = ?4, stream_type = ?5, stream_length = ?6
+UPDATE fetch_leases SET stream_file = ?4, stream_type = ?5, stream_length = ?6,
+    stream_relay = ?7, stream_token = ?8
 WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
 
 -- name: select_lease
 -- remaining_s: seconds until the lease expires unless renewed (0 once expired).
 SELECT key, holder, fence, state, expires_at <= clock_ms() AS expired,
-       stream_file, stream_type, stream_length,
+       stream_file, stream_type, stream_length, stream_relay, stream_token,
        max(expires_at - clock_ms(), 0) / 1000.0 AS remaining_s
 FROM fetch_leases WHERE key = ?1
 

@@ -1,0 +1,245 @@
+"""Hits on object storage without a local copy (docs/architecture.md, "Object storage"):
+one GET per blob per replica fills the local tier, and every client reads the file as
+it grows, from the first byte on.
+
+Single flight: concurrent cold hits on one blob share one ``Fill``. Its body is written
+to a temp file of the tier, hashed as it is written; the last byte is held back until
+its length and sha256 are the blob's (``Download.verify``), then the file becomes the
+tier's copy. An object whose bytes are not its name's (corrupt) cuts its clients before
+the last byte, is never kept, and the entry that led to it is forgotten, so the next
+request fetches it from the upstream again. A missing object is FileNotFoundError: the
+cache's "blob vanished" path forgets the entry and fetches again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+
+from proxy.catalog import Entry
+from proxy.exceptions import ShuttingDown, StorageError
+from proxy.fetch.download import Download
+from proxy.fetch.transfer import LocalFile, SharedFile, Source, StoredBlob, Transfer
+from proxy.http.responses import BlobBody
+from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
+from proxy.runtime.tasks import TaskSupervisor
+from proxy.storage.blobs import TempBlob, storage_error
+from proxy.storage.objects import ObjectStorage
+
+log = logging.getLogger("proxy.fill")
+
+OnCorrupt = Callable[[], Awaitable[None]]
+
+
+class CorruptObject(StorageError):
+    """The object's bytes are not the blob its key names."""
+
+
+class Fill:
+    """One GET of one blob into the local tier, read by this replica's clients."""
+
+    def __init__(self, fills: TierFills, sha256: str, size: int) -> None:
+        self.fills = fills
+        self.sha256 = sha256
+        self.size = size
+        self.download = Download(None, size)
+        self.temp: TempBlob | None = None
+        self.transfer: Transfer | None = None
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.on_corrupt: list[OnCorrupt] = []
+
+    def source(self) -> Source:
+        """A source of its own (a descriptor of its own) for one more transfer."""
+        assert self.temp is not None
+        return LocalFile(self.download, self.temp.reader_fd())
+
+    async def run(self) -> None:
+        storage = self.fills.storage
+        try:
+            stream = await storage.open_object(self.sha256)
+        except BaseException as exc:
+            self.ready.set_exception(exc)
+            raise
+        try:
+            if stream.size != self.size:
+                raise CorruptObject(
+                    f"the object of {self.sha256} is {stream.size} bytes, not {self.size}"
+                )
+            temp = self.temp = await storage.files.new_temp()
+            temp.on_progress = self.download.advance_to
+            self.transfer = Transfer(self.source(), self.fills.tasks.spawn)
+            self.ready.set_result(None)
+            try:
+                async for chunk in stream.chunks():
+                    await temp.write(chunk)
+                    if temp.size > self.size:
+                        break
+                await temp.flush()
+                if temp.size != self.size or temp.sha256 != self.sha256:
+                    raise CorruptObject(
+                        f"the object of {self.sha256} holds {temp.size} bytes with sha256 "
+                        f"{temp.sha256}: not the blob"
+                    )
+                self.download.verify()  # the last byte may go out now
+                await storage.tier.adopt(temp, self.sha256)
+            except BaseException as exc:
+                await temp.discard()
+                self.download.fail(exc)
+                raise
+            self.download.finish()
+            blob = self.fills.stored_blob(self.sha256, self.size)
+            await self.transfer.stored(blob, None)
+        except BaseException as exc:
+            if not self.ready.done():
+                self.ready.set_exception(exc)
+            if self.transfer is not None:
+                self.transfer.fail(
+                    exc if isinstance(exc, Exception) else StorageError("the proxy is stopping")
+                )
+            if isinstance(exc, CorruptObject):
+                metrics.STORAGE_ERRORS.labels(operation="get", errno="corrupt").inc()
+                log.error("corrupt object in %s: %s; the entry is forgotten", storage, exc)
+                for forget in self.on_corrupt:
+                    with contextlib.suppress(Exception):
+                        await forget()
+            raise
+        finally:
+            stream.close()
+
+
+class TierFills:
+    """The fills of this process, by sha256."""
+
+    def __init__(self, storage: ObjectStorage, tasks: TaskSupervisor) -> None:
+        self.storage = storage
+        self.tasks = tasks
+        self._fills: dict[str, Fill] = {}
+
+    def body(self, entry: Entry, on_corrupt: OnCorrupt) -> BlobBody:
+        assert entry.sha256 is not None
+        return TierBody(self, entry.sha256, entry.size, on_corrupt)
+
+    def stored_blob(self, sha256: str, size: int) -> StoredBlob:
+        async def open_blob() -> Source:
+            return await self.source(sha256, size, None)
+
+        return StoredBlob(sha256, size, self.storage.blob_path(sha256), open_blob)
+
+    async def source(self, sha256: str, size: int, content_type: str | None) -> Source:
+        """A source of the stored blob from its first byte: the local copy, or the
+        object as it arrives (``Fetcher``'s ``open_stored``)."""
+        path = self.storage.local_path(sha256)
+        if path is not None:
+            try:
+                return await SharedFile.open(path, content_type, size, self.tasks.spawn, True)
+            except FileNotFoundError:
+                self.storage.tier.forget(sha256)
+        fill = await self.join(sha256, size)
+        return fill.source()
+
+    async def join(self, sha256: str, size: int, on_corrupt: OnCorrupt | None = None) -> Fill:
+        """The fill of ``sha256`` once its GET answered: ours or one running already.
+        FileNotFoundError if there is no object; StorageError if the bucket fails."""
+        fill = self._fills.get(sha256)
+        if fill is None:
+            if self.tasks.closing:
+                raise ShuttingDown("the proxy is shutting down")
+            fill = Fill(self, sha256, size)
+            self._fills[sha256] = fill
+            self.tasks.spawn(f"fill:{sha256[:12]}", self._run(fill))
+        if on_corrupt is not None:
+            fill.on_corrupt.append(on_corrupt)
+        await asyncio.shield(fill.ready)
+        return fill
+
+    async def _run(self, fill: Fill) -> None:
+        try:
+            await fill.run()
+        except (StorageError, FileNotFoundError) as exc:
+            log.debug("fill of %s ended: %s", fill.sha256, exc)
+        except OSError as exc:
+            log.error("%s", storage_error(f"filling the local copy of {fill.sha256}", "fill", exc))
+        finally:
+            if self._fills.get(fill.sha256) is fill:
+                del self._fills[fill.sha256]
+            if fill.ready.done() and not fill.ready.cancelled():
+                fill.ready.exception()  # seen here, even if its joiners all left
+
+
+class TierBody:
+    """``BlobBody`` of one hit on object storage: the local copy, else the object."""
+
+    __slots__ = ("fills", "on_corrupt", "sha256", "size")
+
+    def __init__(self, fills: TierFills, sha256: str, size: int, on_corrupt: OnCorrupt) -> None:
+        self.fills = fills
+        self.sha256 = sha256
+        self.size = size
+        self.on_corrupt = on_corrupt
+
+    def _local(self) -> str | None:
+        return self.fills.storage.local_path(self.sha256)
+
+    def _gone(self) -> None:
+        self.fills.storage.tier.forget(self.sha256)
+
+    async def check(self) -> None:
+        pass  # the catalog knows the size: a HEAD asks the bucket nothing
+
+    async def read_all(self) -> bytes:
+        path = self._local()
+        if path is not None:
+            try:
+                return await run_blocking(_read_file, path)
+            except FileNotFoundError:
+                self._gone()
+        fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
+        source = fill.source()
+        try:
+            verified = asyncio.Event()
+            source.subscribe(verified.set)
+            while not source.complete():
+                if source.error is not None:
+                    raise source.error
+                verified.clear()
+                await verified.wait()
+            return await source.read(0, self.size)
+        finally:
+            source.close()
+
+    async def complete_path(self) -> str:
+        path = self._local()
+        if path is not None:
+            return path
+        fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
+        assert fill.transfer is not None
+        await fill.transfer.result()  # verified and kept (or raises)
+        path = self._local()
+        if path is None:
+            raise FileNotFoundError(f"the local copy of {self.sha256} was not kept")
+        return path
+
+    async def open(self) -> int | Transfer:
+        path = self._local()
+        if path is not None:
+            try:
+                fd: int = await run_blocking(_open_file, path)
+                return fd
+            except FileNotFoundError:
+                self._gone()
+        fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
+        assert fill.transfer is not None
+        return fill.transfer
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def _open_file(path: str) -> int:
+    return os.open(path, os.O_RDONLY)
