@@ -200,3 +200,40 @@ def test_storage_copy_moves_a_folder_store_into_a_bucket_and_resumes(
         [*argv[:7], "gs://x/", *argv[8:]], capture_output=True, text=True, env=env, timeout=60
     )
     assert wrong.returncode == 2 and "--to" in wrong.stderr
+
+
+def test_proxy_gc_on_object_storage_lists_the_bucket_and_removes_nothing_young(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    seaweedfs: SeaweedFS,
+    s3_bucket: str,
+    clean_env: dict[str, str],
+) -> None:
+    """`proxy gc` is the reclaim pass, on the bucket: it lists it and aborts or deletes
+    only what is a day old (nothing here), and says what it did."""
+    orphan = os.urandom(500)
+    seaweedfs.put(s3_bucket, key_of(orphan), orphan)
+    config = write_config(
+        tmp_path,
+        f"""
+        [database]
+        url = "sqlite:///{tmp_path / "catalog.db"}"
+        [storage]
+        path = "{tmp_path / "data"}"
+        {s3_storage(seaweedfs, s3_bucket, tmp_path / "local")}
+        """,
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "gc", "--config", str(config)],
+        capture_output=True, text=True, timeout=120, env={**clean_env, **seaweedfs.env},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "0 orphan blobs" in done.stdout and "unfinished uploads" in done.stdout
+    assert key_of(orphan) in seaweedfs.keys(s3_bucket)  # younger than a day
+    wrong = subprocess.run(
+        [sys.executable, "-m", "proxy", "gc", "--config", str(config)],
+        capture_output=True, text=True, timeout=120,
+        env={**clean_env, **seaweedfs.env, "AWS_SECRET_ACCESS_KEY": "wrong"},
+    )  # fmt: skip
+    assert wrong.returncode == 1 and "access denied" in wrong.stderr, wrong.stderr
+    assert "Traceback" not in wrong.stderr
