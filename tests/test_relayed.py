@@ -28,8 +28,8 @@ BODY = os.urandom(256 * 1024)
 
 
 class Relay:
-    """A relay whose behaviour the test picks: ``mode`` = "break once", "trickle" or
-    "no proof"."""
+    """A relay whose behaviour the test picks: ``mode`` = "break once", "trickle", "short"
+    or "no proof"."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -42,8 +42,9 @@ class Relay:
         offset = int(headers["range"].removeprefix("bytes=").rstrip("-"))
         self.ranges.append(headers["range"])
         total = len(BODY)
+        length = 1000 if self.mode == "short" else total - offset
         head = [
-            (b"content-length", str(total - offset).encode()),
+            (b"content-length", str(length).encode()),
             (b"content-range", f"bytes {offset}-{total - 1}/{total}".encode()),
         ]
         if self.mode != "no proof":
@@ -55,6 +56,9 @@ class Relay:
                     {"type": "http.response.body", "body": BODY[i : i + 10], "more_body": True}
                 )
                 await asyncio.sleep(0.2)
+            return
+        if self.mode == "short":  # a whole answer, cleanly ended, of too few bytes
+            await send({"type": "http.response.body", "body": BODY[offset : offset + 1000]})
             return
         if self.mode == "break once" and len(self.ranges) == 1:
             await send(
@@ -142,3 +146,9 @@ def test_an_answer_without_the_relays_proof_gives_nothing(tmp_path: Path) -> Non
     assert got["received"] == 0 and got["readable"] == 0
     assert got["ranges"] == ["bytes=0-"], "not asked again"
     assert not got["stored"] and got["adopted"] == []
+
+
+def test_a_relay_answering_short_is_asked_a_bounded_number_of_times(tmp_path: Path) -> None:
+    got = run_follow(tmp_path, "short", SETTINGS)
+    assert got["ranges"] == ["bytes=0-", "bytes=1000-", "bytes=2000-"]
+    assert got["received"] == 3000 and not got["stored"]

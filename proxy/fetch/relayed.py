@@ -198,6 +198,8 @@ class RelayedFile:
         try:
             while self._temp.size < self.total:
                 attempts += 1
+                if attempts > RECONNECTS + 1:
+                    return  # however its answers ended: a bounded number of asks
                 try:
                     async with asyncio.timeout(
                         settings.transfer_timeout_s - (time.monotonic() - started)
@@ -208,7 +210,7 @@ class RelayedFile:
                     return
                 except (httpx.HTTPError, OSError, RelayRefused) as exc:
                     log.info("relay %s stopped at %d bytes: %s", self._url, self._temp.size, exc)
-                    if isinstance(exc, RelayRefused) or attempts > RECONNECTS:
+                    if isinstance(exc, RelayRefused):
                         return
                     await asyncio.sleep(RECONNECT_PAUSE_S)
                     continue
