@@ -23,8 +23,8 @@ from tests.seaweed import SeaweedFS
 from tests.upstream import FakeUpstream, ServerThread
 
 MiB = 1024 * 1024
-PATH = "/releases/tool-1.0.tar.gz"
-URL = "/tools/tool-1.0.tar.gz"
+PATH = "/releases/tool-1.0.bin"  # no digest verifies it: a name of no kind to check
+URL = "/tools/tool-1.0.bin"
 
 
 def requests(operation: str | None = None) -> float:

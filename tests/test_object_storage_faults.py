@@ -123,7 +123,7 @@ def test_while_the_bucket_is_down_local_copies_serve_and_nothing_is_recorded(
         assert ready.status_code == 503 and "storage:" in ready.text, ready.text
         assert s3_bucket in ready.text or "object storage" in ready.text
         assert httpx.get(a.url + "/readyz?scope=local").status_code == 200
-        assert sorted(entries(tmp_path)) == ["tool-1.0.tar.gz"], "nothing recorded as stored"
+        assert sorted(entries(tmp_path)) == ["tool-1.0.bin"], "nothing recorded as stored"
     finally:
         if how == "stopped":
             seaweedfs.start()
@@ -211,6 +211,6 @@ def test_kill_9_during_the_upload_leaves_no_object_and_no_entry(
         assert httpx.head(again.url + URL, timeout=60).status_code == 200
         stored = seaweedfs.get(s3_bucket, blob_key(body))
         assert hashlib.sha256(stored).hexdigest() == hashlib.sha256(body).hexdigest()
-        assert entries(tmp_path) == ["tool-1.0.tar.gz"]
+        assert entries(tmp_path) == ["tool-1.0.bin"]
     finally:
         again.stop()

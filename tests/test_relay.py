@@ -26,7 +26,7 @@ from tests.test_streaming import KEY, PATH, TOOLS, Pulled, pull
 from tests.upstream import FakeUpstream
 
 MiB = 1024 * 1024
-URL = "/tools/tool-1.0.tar.gz"
+URL = "/tools/tool-1.0.bin"
 
 
 @pytest.mark.parametrize(

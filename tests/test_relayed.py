@@ -124,7 +124,11 @@ SETTINGS = UpstreamSettings(connect_timeout_s=2.0, read_timeout_s=5.0)
 
 def test_a_broken_relay_connection_is_resumed_from_the_bytes_held(tmp_path: Path) -> None:
     got = run_follow(tmp_path, "break once", SETTINGS)
-    assert got["ranges"] == ["bytes=0-", f"bytes={len(BODY) // 2}-"]
+    # Asked again from the bytes it held when the connection broke (at most the half
+    # the relay sent: what was in flight may be lost with the connection).
+    first, second = got["ranges"]
+    resumed_at = int(second.removeprefix("bytes=").rstrip("-"))
+    assert first == "bytes=0-" and 0 < resumed_at <= len(BODY) // 2
     assert got["received"] == len(BODY) and got["error"] is None
     assert got["readable"] == len(BODY) - 1, "the last byte waits for the stored blob"
     assert got["stored"] and got["complete"] and got["bytes"] == BODY
