@@ -25,6 +25,7 @@ from proxy import __version__
 from proxy.redaction import redact
 
 if TYPE_CHECKING:
+    from proxy.catalog import JobRun
     from proxy.config.settings import Settings
 
 
@@ -490,6 +491,12 @@ async def _mirror(settings: Settings, args: argparse.Namespace) -> int:
     return 1 if s.failed or s.missing or s.skipped else 0
 
 
+def _outcome(run: JobRun | None) -> str:
+    if run is None or run.outcome is None:
+        return "-"
+    return "abandoned (its pass died)" if run.abandoned else run.outcome
+
+
 async def _jobs(settings: Settings, as_json: bool) -> int:
     from proxy.clock import SYSTEM_CLOCK
     from proxy.engine import open_engine
@@ -517,6 +524,8 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
         due_ms: int | None = None
         if interval_s is not None:
             due_ms = now_ms if started is None else max(now_ms, started + int(interval_s * 1000))
+            if run is not None and run.abandoned:
+                due_ms = now_ms  # its pass died: any replica takes it up at its next check
         found.append((name, interval_s, run, started, due_ms))
     if as_json:
         print(
@@ -530,6 +539,7 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
                             "last_started_ms": started,
                             "last_finished_ms": run.finished_at_ms if run else None,
                             "last_outcome": run.outcome if run else None,
+                            "abandoned": run.abandoned if run else False,
                             "holder": run.holder if run else None,
                             "next_due_ms": due_ms,
                         }
@@ -567,7 +577,7 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
                 name,
                 format_duration(interval_s) if interval_s is not None else "-",
                 f"{_when(started)} ({_ago(now_ms - started)} ago)" if started else "never",
-                (run.outcome or "-") if run is not None else "-",
+                _outcome(run),
                 due,
                 run.holder if run is not None else "-",
             )

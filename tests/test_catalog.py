@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from proxy.cache.proxied import CatalogLinks
-from proxy.catalog import Catalog, Entry, open_catalog
+from proxy.catalog import Catalog, Entry, JobRun, open_catalog
 from proxy.clock import SYSTEM_CLOCK
 from proxy.types import Kind, Link, LinkBatch
 
@@ -105,13 +105,53 @@ async def test_a_repository_link_store_records_only_its_own_links(catalog: Catal
 
 
 async def test_job_runs_once_per_interval_and_give_back(catalog: Catalog) -> None:
+    # Claims are made under the job's lock, so each pass ends (ok or given back) first.
     first = await catalog.claim_job_run("j", 3600, "a")
     assert first is not None
+    await catalog.finish_job_run("j", first, "ok")
     assert await catalog.claim_job_run("j", 3600, "b") is None
     await catalog.give_back_job_run("j", first)
     second = await catalog.claim_job_run("j", 3600, "b")
     assert second is not None and second > first
+    await catalog.finish_job_run("j", second, "ok")
     assert await catalog.claim_job_run("j", 0.0, "c") is not None  # due again at once
+
+
+@pytest.mark.parametrize("job", ["evict", "mirror:nightly"])  # hashtext >= 0, and < 0
+async def test_a_run_whose_pass_died_is_abandoned_and_claimed_again(
+    catalog: Catalog, job: str
+) -> None:
+    async def last_run() -> JobRun:
+        runs, _now = await catalog.job_runs()
+        [run] = [r for r in runs if r.name == job]
+        return run
+
+    async with catalog.job_lock(job) as got:
+        assert got
+        first = await catalog.claim_job_run(job, 3600, "a")
+        assert first is not None
+        await catalog.finish_job_run(job, first, "ok")
+    async with catalog.job_lock(job) as got:
+        assert got
+        second = await catalog.claim_job_run(job, 3600, "a")
+        assert second is None  # not due: the interval has not passed
+        await catalog.give_back_job_run(job, first)  # as if its pass had been cut off
+        second = await catalog.claim_job_run(job, 3600, "a")
+        assert second is not None
+        running = await last_run()
+        assert (running.outcome, running.abandoned) == ("running", False)  # its lock is held
+    # The pass's lock went (its process or connection died) without an outcome.
+    dead = await last_run()
+    assert (dead.run_id, dead.outcome, dead.abandoned) == (second, "running", True)
+    async with catalog.job_lock(job) as got:
+        assert got
+        third = await catalog.claim_job_run(job, 3600, "b")  # at once, not an interval later
+        assert third is not None and third > second
+        await catalog.give_back_job_run(job, third)
+    # Giving the new run back makes the job due as before the dead pass's claim.
+    async with catalog.job_lock(job) as got:
+        assert got
+        assert await catalog.claim_job_run(job, 3600, "c") is not None
 
 
 async def test_job_lock_is_exclusive(database_url: str) -> None:

@@ -355,6 +355,53 @@ def test_sigterm_of_the_replica_running_a_mirror_hands_the_run_over(
     assert all(1 <= upstream.count(p) <= 2 for p in paths)
 
 
+JOB_LOCK_HOLDERS = """
+SELECT count(*) FROM pg_locks AS l
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtext('proxy-job:' || $1)::bigint
+"""
+
+
+@pytest.mark.postgres
+def test_a_run_whose_replica_was_killed_is_taken_up_at_once_and_held_once(
+    tmp_path: Path, pg_url: str, upstream: FakeUpstream, processes: list[ProxyProcess]
+) -> None:
+    """SIGKILL leaves the run 'running' (nobody gives it back); its lock died with the
+    replica's connection, so it is abandoned and another replica takes it up within a
+    check, not an interval later. No two replicas ever hold the job's lock at once."""
+    paths = add_packages(upstream, size=4 * MiB)
+    for p in paths:
+        upstream.fault(p, chunk_size=MiB, chunk_delay_s=0.5)  # each file takes ~2s
+    fleet = start_replicas(processes, config(tmp_path, pg_url, upstream, extra=MIRROR), tmp_path, 3)
+    db = Db(pg_url)
+    holders: list[int] = []  # how many hold the job's lock, sampled
+
+    def lock_holders() -> int:
+        [(count,)] = db.query(JOB_LOCK_HOLDERS, "mirror:nightly")
+        assert isinstance(count, int)
+        holders.append(count)
+        return count
+
+    def ended() -> bool:
+        lock_holders()
+        return db.job_run("mirror:nightly")[2] == "ok"
+
+    wait_for("a file download", lambda: sum(upstream.count(p) for p in paths) >= 1)
+    run_id, holder, outcome = db.job_run("mirror:nightly")
+    assert outcome == "running" and lock_holders() == 1
+    [running] = [p for p in fleet if f":{p.pid}:" in holder]
+    running.signal(signal.SIGKILL)
+    taken_s = wait_for(
+        "another replica to take the run up",
+        lambda: db.job_run("mirror:nightly")[0] > run_id,
+        timeout_s=30,
+    )
+    assert f":{running.pid}:" not in db.job_run("mirror:nightly")[1]
+    assert taken_s < 10, f"the abandoned run was taken up only after {taken_s:.1f}s"
+    wait_for("the run to end", ended, timeout_s=60)
+    assert max(holders) == 1, holders
+
+
 def test_proxy_mirror_with_an_sbom_and_proxy_jobs(tmp_path: Path, upstream: FakeUpstream) -> None:
     paths = add_packages(upstream)
     (tmp_path / "sbom.json").write_text(

@@ -157,6 +157,9 @@ class JobRun:
     finished_at_ms: int | None
     outcome: str | None  # running, ok, failed, cancelled
     holder: str
+    # Running, but no pass holds the job's lock: the pass died with its process or its
+    # connection, and the run may be claimed again at once.
+    abandoned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,12 +385,17 @@ class Catalog(Protocol):
         """Hold the fleet-wide lock for one pass of job ``name``; yields False if taken.
 
         On both backends the lock dies with the holder's process (Postgres: a session
-        advisory lock; SQLite: an flock on a file beside the database).
+        advisory lock on the session connection; SQLite: an flock on a file beside the
+        database). On Postgres it also dies with that connection while the process
+        lives on: the pass is then cancelled and ``JobLockLost`` raised from the block.
+        A second pass of the same job in the same process gets False too.
         """
         ...
 
     async def claim_job_run(self, name: str, interval_s: float, holder: str) -> int | None:
-        """Record a start if the last one is older than ``interval_s``; returns its id."""
+        """Record a start if the last one is older than ``interval_s``, or if the last
+        run is still 'running'; returns its id. Call it holding the job's lock: then a
+        run still 'running' is one whose pass died. Writes nothing when not due."""
         ...
 
     async def give_back_job_run(self, name: str, run_id: int) -> None:
@@ -399,7 +407,8 @@ class Catalog(Protocol):
         ...
 
     async def job_runs(self) -> tuple[list[JobRun], int]:
-        """Every job's last run, and the database's clock now (Unix ms)."""
+        """Every job's last run, and the database's clock now (Unix ms): the schedulers'
+        one read per check, which writes nothing."""
         ...
 
     # -- browsing and purging (docs/architecture.md, "Operating: console, API and logs") --

@@ -280,6 +280,7 @@ class SqlCatalog:
                 finished_at_ms=None if r["finished_at_ms"] is None else int(r["finished_at_ms"]),
                 outcome=r["outcome"],
                 holder=r["holder"],
+                abandoned=bool(r["abandoned"]),
             )
             for r in rows
         ]

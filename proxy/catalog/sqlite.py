@@ -22,10 +22,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from proxy.catalog import LeaseRow, migration_files
+from proxy.catalog import JobRun, LeaseRow, migration_files
 from proxy.catalog.base import SqlCatalog
 from proxy.catalog.queries import load
 from proxy.clock import Clock
@@ -154,6 +155,26 @@ class SqliteCatalog(SqlCatalog):
         finally:
             if fd is not None:
                 await run_blocking(_unlock, fd)
+
+    async def job_runs(self) -> tuple[list[JobRun], int]:
+        """As in ``SqlCatalog``, and a run still 'running' is abandoned if nobody holds
+        its job's flock: only a process can tell (it tries the lock for a moment)."""
+        runs, now_ms = await super().job_runs()
+        running = [run.name for run in runs if run.outcome == "running"]
+        if not running:
+            return runs, now_ms
+        held = await run_blocking(lambda: {name for name in running if self._lock_held(name)})
+        return [
+            replace(run, abandoned=run.outcome == "running" and run.name not in held)
+            for run in runs
+        ], now_ms
+
+    def _lock_held(self, name: str) -> bool:
+        fd = self._try_lock(self.locks_dir / _lock_file_name(name))
+        if fd is None:
+            return True
+        _unlock(fd)
+        return False
 
     def _try_lock(self, path: Path) -> int | None:
         try:

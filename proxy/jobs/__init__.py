@@ -1,9 +1,13 @@
 """Background jobs that run once per fleet (docs/architecture.md, "Jobs").
 
-Every replica runs the same ``Scheduler``. A pass starts only if the job's last start
-recorded in ``job_runs`` is older than its interval (one claim per interval for the
-fleet) and the job's lock is free (one pass at a time). A pass cut off by shutdown
-gives its claim back, so a restart does not skip the schedule for an interval.
+Every replica runs the same ``Scheduler``. Every ``CHECK_PERIOD_MAX_S`` at most it reads
+every job's last run at once (one statement, which writes nothing). A job is due if its
+last start is older than its interval, or if its last run is still 'running' with
+nobody holding its lock (the pass died). A due job gets a pass: it takes the job's lock
+(one pass at a time for the fleet), claims the run under it (written only when it is
+still due), runs, and records the outcome before letting the lock go. A pass cut off by
+shutdown, or by the loss of its lock's connection, gives its claim back, so another
+replica runs it at once instead of an interval later.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from proxy.catalog import Catalog
+from proxy.catalog import Catalog, JobRun
 from proxy.clock import Clock
 from proxy.exceptions import CatalogError, JobLockLost
 from proxy.redaction import redact
@@ -30,8 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("proxy.jobs")
 
 # How often a replica looks whether a job is due: also how soon another replica picks
-# up a run given back by one that was shut down mid-run.
+# up a run given back by one that was shut down mid-run, or abandoned by one that died.
 CHECK_PERIOD_MAX_S = 5.0
+CHECK_JITTER_MIN = 0.8  # checks sleep between this fraction and all of the period
 
 
 @dataclass(frozen=True)
@@ -48,59 +53,76 @@ class Scheduler:
         self.tasks = tasks
         self.clock = clock
         self.jobs: list[Job] = []
+        self._passes: dict[str, asyncio.Task[bool]] = {}  # this process's, by job
 
     def add(self, job: Job) -> None:
         self.jobs.append(job)
 
     def start(self) -> None:
-        for job in self.jobs:
-            self.tasks.spawn(f"job:{job.name}", self._loop(job))
+        if self.jobs:
+            self.tasks.spawn("jobs", self._loop())
 
-    async def _loop(self, job: Job) -> None:
-        check_period_s = min(job.interval_s, CHECK_PERIOD_MAX_S)
+    async def _loop(self) -> None:
+        period_s = min(CHECK_PERIOD_MAX_S, *(job.interval_s for job in self.jobs))
         while True:
             try:
-                await self.run_once(job)
+                for job in await self.due():
+                    running = self._passes.get(job.name)
+                    if running is None or running.done():
+                        self._passes[job.name] = self.tasks.spawn(
+                            f"job:{job.name}", self.run_once(job)
+                        )
             except CatalogError as exc:
                 _raise_if_cancelling()
-                log.warning("job %s: database unavailable: %s", job.name, exc)
-            await asyncio.sleep(check_period_s * random.uniform(0.5, 1.0))
+                log.warning("jobs: database unavailable: %s", exc)
+            await asyncio.sleep(period_s * random.uniform(CHECK_JITTER_MIN, 1.0))
+
+    async def due(self) -> list[Job]:
+        """The jobs due now, from one read of every job's last run."""
+        runs, now_ms = await self.catalog.job_runs()
+        last = {run.name: run for run in runs}
+        return [job for job in self.jobs if _is_due(job, last.get(job.name), now_ms)]
 
     async def run_once(self, job: Job) -> bool:
-        """Run one pass if it is due and nobody else runs it; True if it ran."""
-        run_id = await self.catalog.claim_job_run(job.name, job.interval_s, self.holder)
-        if run_id is None:
-            return False
+        """Run one pass if nobody else runs it and it is still due once its lock is
+        held; True if it ran."""
         try:
-            return await self._pass(job, run_id)
+            async with self.catalog.job_lock(job.name) as acquired:
+                if not acquired:
+                    metrics.JOB_RUNS.labels(job=job.name, outcome="skipped_locked").inc()
+                    return False
+                run_id = await self.catalog.claim_job_run(job.name, job.interval_s, self.holder)
+                if run_id is None:
+                    return False  # another replica ran it since we looked
+                return await self._pass(job, run_id)
         except JobLockLost as exc:
             # The pass was cancelled (and gave its claim back) when its lock went.
             metrics.JOB_RUNS.labels(job=job.name, outcome="lock_lost").inc()
             log.warning("%s; stopped the pass", exc)
             return False
+        except CatalogError as exc:
+            _raise_if_cancelling()
+            log.warning("job %s: database unavailable: %s", job.name, exc)
+            return False
 
     async def _pass(self, job: Job, run_id: int) -> bool:
-        async with self.catalog.job_lock(job.name) as acquired:
-            if not acquired:
-                metrics.JOB_RUNS.labels(job=job.name, outcome="skipped_locked").inc()
-                await self.catalog.give_back_job_run(job.name, run_id)
-                return False
+        """The pass itself, under the job's lock."""
+        try:
+            summary = await job.run()
+        except asyncio.CancelledError:
+            metrics.JOB_RUNS.labels(job=job.name, outcome="cancelled").inc()
             try:
-                summary = await job.run()
-            except asyncio.CancelledError:
-                metrics.JOB_RUNS.labels(job=job.name, outcome="cancelled").inc()
-                try:
-                    await asyncio.shield(self.catalog.give_back_job_run(job.name, run_id))
-                except CatalogError as exc:
-                    log.warning("job %s: could not give its claim back: %s", job.name, exc)
-                raise
-            except Exception as exc:
-                metrics.JOB_RUNS.labels(job=job.name, outcome="failed").inc()
-                log.error("job %s failed: %r", job.name, exc, exc_info=exc)
-                await self._finish(job, run_id, "failed", f"{type(exc).__name__}: {exc}")
-                return False
-            # Still under the lock: the next pass cannot start before this one is recorded.
-            await self._finish(job, run_id, "ok")
+                await asyncio.shield(self.catalog.give_back_job_run(job.name, run_id))
+            except CatalogError as exc:
+                log.warning("job %s: could not give its claim back: %s", job.name, exc)
+            raise
+        except Exception as exc:
+            metrics.JOB_RUNS.labels(job=job.name, outcome="failed").inc()
+            log.error("job %s failed: %r", job.name, exc, exc_info=exc)
+            await self._finish(job, run_id, "failed", f"{type(exc).__name__}: {exc}")
+            return False
+        # Still under the lock: the next pass cannot start before this one is recorded.
+        await self._finish(job, run_id, "ok")
         metrics.JOB_RUNS.labels(job=job.name, outcome="ran").inc()
         metrics.JOB_LAST_SUCCESS.labels(job=job.name).set(self.clock.now_ms() / 1000)
         log.info("job %s: %s", job.name, summary)
@@ -114,6 +136,12 @@ class Scheduler:
         except CatalogError as exc:
             _raise_if_cancelling()
             log.warning("job %s: could not record its outcome %s: %s", job.name, outcome, exc)
+
+
+def _is_due(job: Job, last: JobRun | None, now_ms: int) -> bool:
+    if last is None or last.started_at_ms is None:
+        return True
+    return last.abandoned or last.started_at_ms <= now_ms - job.interval_s * 1000
 
 
 def _raise_if_cancelling() -> None:

@@ -150,7 +150,7 @@ BACKGROUND_TASK_FAILURES = Counter(
 )
 JOB_RUNS = Counter(
     "proxy_job_runs_total",
-    "Background job passes, by outcome (ran, skipped_locked, failed, cancelled)",
+    "Background job passes, by outcome (ran, skipped_locked, failed, cancelled, lock_lost)",
     ["job", "outcome"],
 )
 STORAGE_ERRORS = Counter(

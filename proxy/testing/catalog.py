@@ -427,9 +427,11 @@ class MemoryCatalog:
         if run is None:
             self.job_history[name] = _JobRun(1, now, None, holder, "running")
             return 1
-        if run.started_at_ms > now - int(interval_s * 1000):
+        died = run.outcome == "running"  # under the lock: its pass died without an outcome
+        if run.started_at_ms > now - int(interval_s * 1000) and not died:
             return None
-        self.job_history[name] = _JobRun(run.run_id + 1, now, run.started_at_ms, holder, "running")
+        previous = run.previous_started_at_ms if died else run.started_at_ms
+        self.job_history[name] = _JobRun(run.run_id + 1, now, previous, holder, "running")
         return run.run_id + 1
 
     async def give_back_job_run(self, name: str, run_id: int) -> None:
@@ -457,6 +459,7 @@ class MemoryCatalog:
                 finished_at_ms=run.finished_at_ms,
                 outcome=run.outcome,
                 holder=run.holder,
+                abandoned=run.outcome == "running" and name not in self._job_locks,
             )
             for name, run in sorted(self.job_history.items())
         ]

@@ -220,22 +220,37 @@ FROM fetch_leases WHERE key = $1
 DELETE FROM fetch_leases WHERE expires_at < clock_timestamp() - make_interval(secs => $1)
 
 -- name: try_job_lock
--- Postgres only: a session lock on the connection held for the pass; it dies with the
--- connection if the process dies (SQLite gets the same from an flock on a file).
+-- Postgres only: a session lock on the session connection, held for the pass; it dies
+-- with the connection if the process dies (SQLite gets the same from an flock on a
+-- file). select_job_runs looks for the same key in pg_locks.
 SELECT pg_try_advisory_lock(hashtext('proxy-job:' || $1))
 
 -- name: unlock_job
 SELECT pg_advisory_unlock(hashtext('proxy-job:' || $1))
 
 -- name: claim_job_run
--- ($1 name, $2 interval seconds, $3 holder): a start, if the last one is older than the interval.
-INSERT INTO job_runs (name, run_id, started_at, previous_started_at, holder, outcome)
-VALUES ($1, 1, clock_timestamp(), NULL, $3, 'running')
-ON CONFLICT (name) DO UPDATE SET
-    run_id = job_runs.run_id + 1, previous_started_at = job_runs.started_at,
-    started_at = EXCLUDED.started_at, holder = EXCLUDED.holder, outcome = 'running'
-WHERE job_runs.started_at <= clock_timestamp() - make_interval(secs => $2)
-RETURNING run_id
+-- ($1 name, $2 interval seconds, $3 holder), under the job's lock (try_job_lock): a start,
+-- if the last one is older than the interval or still 'running' (under the lock, a run
+-- still 'running' is one whose pass died without an outcome: its lock went with it; its
+-- previous start is kept, for a give-back). A claim that is not due writes nothing (no
+-- row lock), like claim_lease.
+WITH taken AS (
+    UPDATE job_runs
+    SET run_id = run_id + 1,
+        previous_started_at = CASE WHEN outcome = 'running' THEN previous_started_at
+                                   ELSE started_at END,
+        started_at = clock_timestamp(), holder = $3, outcome = 'running'
+    WHERE name = $1
+      AND (started_at <= clock_timestamp() - make_interval(secs => $2) OR outcome = 'running')
+    RETURNING run_id
+), inserted AS (
+    INSERT INTO job_runs (name, run_id, started_at, previous_started_at, holder, outcome)
+    SELECT $1, 1, clock_timestamp(), NULL, $3, 'running'
+    WHERE NOT EXISTS (SELECT 1 FROM job_runs WHERE name = $1)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING run_id
+)
+SELECT run_id FROM taken UNION ALL SELECT run_id FROM inserted
 
 -- name: give_back_job_run
 UPDATE job_runs SET started_at = coalesce(previous_started_at, '-infinity'),
@@ -252,7 +267,17 @@ SELECT name, run_id,
        CASE WHEN isfinite(started_at) THEN (extract(epoch FROM started_at) * 1000)::bigint END
            AS started_at_ms,
        (extract(epoch FROM finished_at) * 1000)::bigint AS finished_at_ms, outcome, holder,
-       (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms
+       (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
+       -- A run still 'running' whose job lock nobody holds: its pass died with its
+       -- process or its connection. The key is try_job_lock's, as pg_locks shows a
+       -- one-bigint advisory lock (high half in classid, low half in objid).
+       CASE WHEN outcome = 'running' THEN NOT EXISTS (
+           SELECT 1 FROM pg_locks AS l
+           WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+             AND ((l.classid::bigint << 32) | l.objid::bigint)
+                 = hashtext('proxy-job:' || job_runs.name)::bigint
+       ) ELSE false END AS abandoned
 FROM job_runs ORDER BY name
 
 -- -- The operators' console and admin API (docs/architecture.md, "Operating: console,

@@ -202,13 +202,19 @@ FROM fetch_leases WHERE key = ?1
 DELETE FROM fetch_leases WHERE expires_at < clock_ms() - CAST(?1 * 1000 AS INTEGER)
 
 -- name: claim_job_run
--- (?1 name, ?2 interval seconds, ?3 holder): a start, if the last one is older than the interval.
+-- (?1 name, ?2 interval seconds, ?3 holder), under the job's lock (its flock): a start, if
+-- the last one is older than the interval or still 'running' (a pass that died without
+-- an outcome; its previous start is kept, for a give-back), as in postgres.sql.
 INSERT INTO job_runs (name, run_id, started_at_ms, previous_started_at_ms, holder, outcome)
 VALUES (?1, 1, clock_ms(), NULL, ?3, 'running')
 ON CONFLICT (name) DO UPDATE SET
-    run_id = job_runs.run_id + 1, previous_started_at_ms = job_runs.started_at_ms,
+    run_id = job_runs.run_id + 1,
+    previous_started_at_ms = CASE WHEN job_runs.outcome = 'running'
+                                  THEN job_runs.previous_started_at_ms
+                                  ELSE job_runs.started_at_ms END,
     started_at_ms = excluded.started_at_ms, holder = excluded.holder, outcome = 'running'
 WHERE job_runs.started_at_ms <= clock_ms() - CAST(?2 * 1000 AS INTEGER)
+   OR job_runs.outcome = 'running'
 RETURNING run_id
 
 -- name: give_back_job_run
@@ -222,8 +228,10 @@ UPDATE job_runs SET outcome = ?3, finished_at_ms = clock_ms() WHERE name = ?1 AN
 
 -- name: select_job_runs
 -- Every job's last run; times in Unix ms (NULL: never started), and the database's now.
+-- abandoned: NULL, since only the process can tell whether a run's flock is held
+-- (SqliteCatalog.job_runs finds out).
 SELECT name, run_id, nullif(started_at_ms, 0) AS started_at_ms, finished_at_ms, outcome,
-       holder, clock_ms() AS now_ms
+       holder, clock_ms() AS now_ms, NULL AS abandoned
 FROM job_runs ORDER BY name
 
 -- -- The operators' console and admin API (docs/architecture.md, "Operating: console,
