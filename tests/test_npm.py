@@ -163,6 +163,13 @@ async def test_abbreviated_and_full_packuments(tmp_path: Path) -> None:
         ("application/vnd.npm.install-v1+json;q=0, application/json", "full"),
         ("text/html", None),
         ("application/json;q=0", None),
+        # The most specific range decides each type's weight (RFC 9110, 12.5.1): a type
+        # refused by name stays refused, whatever */* says, and a range covers both.
+        ("application/json;q=0, */*", "abbreviated"),
+        ("application/json;q=0.5, application/*;q=0.9", "abbreviated"),
+        ("application/vnd.npm.install-v1+json;q=0, */*", "full"),
+        ("application/*", "full"),
+        ("application/json;q=0, application/vnd.npm.install-v1+json;q=0, */*", None),
     ],
 )
 def test_negotiation(accept: str | None, representation: str | None) -> None:

@@ -21,6 +21,7 @@ import binascii
 import hashlib
 import json
 import logging
+import math
 import re
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -154,8 +155,12 @@ def split_name(segments: tuple[str, ...]) -> tuple[PackageName, tuple[str, ...]]
 
 def negotiate(accept: str | None) -> Representation | None:
     """The abbreviated form when the client prefers it (``npm install``), else the full
-    one; None when the client takes neither (406)."""
-    q = {"abbreviated": 0.0, "full": 0.0, "*": 0.0}
+    one; None when the client takes neither (406). Each type's weight is that of the
+    most specific range naming it (the type itself, then ``application/*``, then
+    ``*/*``: RFC 9110, 12.5.1), so ``application/json;q=0, */*`` refuses the full form;
+    on a tie the full one wins unless the abbreviated one was named."""
+    # (specificity, weight) of the best-matching range so far, per representation.
+    best: dict[Representation, tuple[int, float]] = {"abbreviated": (-1, 0.0), "full": (-1, 0.0)}
     for part in (accept or "*/*").split(","):
         media, *params = [p.strip() for p in part.split(";")]
         weight = 1.0
@@ -163,16 +168,25 @@ def negotiate(accept: str | None) -> Representation | None:
             key, _, value = param.partition("=")
             if key.strip().lower() == "q":
                 try:
-                    weight = min(max(float(value), 0.0), 1.0)
+                    weight = float(value)
                 except ValueError:
                     weight = 0.0
+                weight = 0.0 if math.isnan(weight) else min(max(weight, 0.0), 1.0)
         media = media.lower()
-        slot = {ABBREVIATED: "abbreviated", FULL: "full", "*/*": "*", "application/*": "*"}
-        if media in slot:
-            q[slot[media]] = max(q[slot[media]], weight)
-    abbreviated = q["abbreviated"]
-    full = q["full"] or q["*"]
-    if abbreviated > 0 and abbreviated >= full:
+        for representation, content_type in CONTENT_TYPES.items():
+            if media == content_type:
+                specificity = 2
+            elif media == "application/*":
+                specificity = 1
+            elif media == "*/*":
+                specificity = 0
+            else:
+                continue
+            seen, seen_weight = best[representation]
+            if specificity > seen or (specificity == seen and weight > seen_weight):
+                best[representation] = (specificity, weight)
+    (abbreviated_named, abbreviated), (_, full) = best["abbreviated"], best["full"]
+    if abbreviated > full or (abbreviated == full > 0 and abbreviated_named == 2):
         return "abbreviated"
     return "full" if full > 0 else None
 
