@@ -8,6 +8,7 @@
     │   ├── Unauthorized       401, with the format's challenge
     │   ├── Forbidden          403
     │   ├── NotFound           404: confirmed missing upstream, or never listed
+    │   │   └── NotSupported     an endpoint of the protocol the proxy does not offer
     │   ├── MethodNotAllowed   405, with the methods allowed
     │   ├── NotAcceptable      406: no representation the Accept header takes
     │   ├── RequestTimeout     408: a request body that stalled
@@ -17,7 +18,6 @@
     │   ├── UriTooLong         414
     │   ├── TooManyRequests    429 + Retry-After: too many wrong passwords, for now
     │   └── HeadersTooLarge    431
-    ├── NotSupported           501: an endpoint of the protocol the proxy does not offer
     ├── Unavailable            503 + Retry-After: the proxy cannot answer now; a retry may
     │   ├── NotConfigured        the repository has no upstream URL
     │   ├── ShuttingDown         the process is stopping
@@ -97,6 +97,12 @@ class NotFound(ClientError):
     pass
 
 
+class NotSupported(NotFound):
+    """An endpoint of the client's protocol that this proxy does not offer (search,
+    login...); the message says what and where to go instead. A 404, not a 501: clients
+    retry 5xx answers (npm for over a minute), and this refusal never changes."""
+
+
 class MethodNotAllowed(ClientError):
     def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
         super().__init__(message)
@@ -138,11 +144,6 @@ class TooManyRequests(ClientError):
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class NotSupported(ProxyError):
-    """An endpoint of the client's protocol that this proxy does not offer (publishing,
-    search...); the message says what and where to go instead."""
 
 
 # -- we cannot answer now ------------------------------------------------------------------

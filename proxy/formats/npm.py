@@ -88,7 +88,10 @@ _PART_RE = re.compile(r"^[A-Za-z0-9~-][A-Za-z0-9._~-]*$")
 _VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,255}$")
 _TARBALL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+~-]{0,300}\.tgz$")
 _SCOPE_SEPARATOR_RE = re.compile("%2f", re.IGNORECASE)
-# Endpoints of npm's protocol the proxy does not offer, and why (``/-/...`` paths).
+# Answers that refuse are 4xx: npm retries a 5xx (twice, 10 s then 60 s apart), so a
+# 501 would keep `npm publish` or `npm search` waiting minutes for the same refusal.
+READ_ONLY = ("GET", "HEAD")
+# Endpoints of npm's protocol the proxy does not offer, and why (``/-/...`` paths): 404.
 UNSUPPORTED = {
     "npm/v1/security": "audit is not offered by this proxy (it would send your dependency "
     "tree upstream); run npm with --no-audit or set audit=false",
@@ -206,12 +209,13 @@ class NpmRepository:
         if segments[0] == "-":
             return await self._special(request, segments[1:])
         if request.method in ("PUT", "DELETE"):
-            raise NotSupported(
+            raise MethodNotAllowed(
                 "publishing and unpublishing are not offered by this proxy: it serves "
-                "public packages read-only; publish to the registry itself"
+                "public packages read-only; publish to the registry itself",
+                READ_ONLY,
             )
-        if request.method not in ("GET", "HEAD"):
-            raise MethodNotAllowed(f"{request.method} is not allowed here", ("GET", "HEAD"))
+        if request.method not in READ_ONLY:
+            raise MethodNotAllowed(f"{request.method} is not allowed here", READ_ONLY)
         if segments == ("",):
             raise NotFound(
                 f"/{request.repository}/: name a package, e.g. /{request.repository}/left-pad"
@@ -231,8 +235,8 @@ class NpmRepository:
         if path == "ping":
             return self.responses.inline(request, b"{}", FULL)
         if len(rest) >= 3 and rest[0] == "package" and "dist-tags" in rest:
-            if request.method not in ("GET", "HEAD"):
-                raise NotSupported("changing dist-tags is not offered by this proxy")
+            if request.method not in READ_ONLY:
+                raise MethodNotAllowed("changing dist-tags is not offered by this proxy", READ_ONLY)
             package, left = split_name(rest[1:])
             if left != ("dist-tags",):
                 raise NotFound(f"/{request.repository}/-/{path}: no such npm registry endpoint")

@@ -31,7 +31,6 @@ from proxy.exceptions import (
     NotAcceptable,
     NotConfigured,
     NotFound,
-    NotSupported,
     ParseFailed,
     PayloadTooLarge,
     ProxyError,
@@ -105,7 +104,6 @@ RULES: dict[type[BaseException], Rule] = {
     UriTooLong: Rule(414),
     HeadersTooLarge: Rule(431),
     TooManyRequests: Rule(429, headers=_retry_after),
-    NotSupported: Rule(501),
     # We cannot answer now.
     Unavailable: Rule(503, headers=_retry_after),
     NotConfigured: Rule(503, headers=_retry_after),
