@@ -110,6 +110,7 @@ __all__ = [
     "DigestMismatch",
     "Digests",
     "Duration",
+    "ErrorBodies",
     "FetchError",
     "FetchSpec",
     "Fetched",
@@ -598,6 +599,9 @@ class Packages:
     of: Callable[[str], PackageVersion | None]
 
 
+ErrorBodies = Literal["text", "json"]
+
+
 @dataclass(frozen=True)
 class FormatPlugin(Generic[OptionsT, AdapterT]):
     """A format, as the registry knows it: its settings and what it provides.
@@ -613,6 +617,10 @@ class FormatPlugin(Generic[OptionsT, AdapterT]):
     hosting: Hosting[OptionsT, AdapterT] | None = None
     mirroring: Mirroring[AdapterT] | None = None
     packages: Packages | None = None  # browsing and purging by package
+    # How the protocol's clients read an error answer's message: "text" (the body), or
+    # "json" (``{"error": message}``: npm shows a JSON body's ``error`` after the status,
+    # and nothing of a text one). The status is the error table's either way.
+    error_bodies: ErrorBodies = "text"
     # Served when the config has no [[repositories]] at all (None: not served by default):
     # its table, or a function of the listen host giving it (what is safe on loopback
     # may not be on every address).

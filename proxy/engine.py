@@ -84,6 +84,8 @@ class Engine:
     # package_of of the repositories grouped by package (browsing, purges).
     views: dict[str, Counted] = field(default_factory=dict)
     package_of: dict[str, Callable[[str], PackageVersion | None]] = field(default_factory=dict)
+    # Repositories whose format's clients read errors as JSON (FormatPlugin.error_bodies).
+    json_errors: frozenset[str] = frozenset()
     started_at_ms: int = 0
     _stopping: asyncio.Future[None] | None = field(default=None, repr=False)
 
@@ -252,6 +254,7 @@ async def _engine(
                 pool,
                 views=built.views,
                 package_of=built.package_of,
+                json_errors=frozenset(built.json_errors),
                 started_at_ms=clock.now_ms(),
             )
             try:
@@ -281,6 +284,7 @@ class Repositories:
     mirror_sources: dict[str, MirrorSource] = field(default_factory=dict)  # in config order
     views: dict[str, Counted] = field(default_factory=dict)
     package_of: dict[str, Callable[[str], PackageVersion | None]] = field(default_factory=dict)
+    json_errors: set[str] = field(default_factory=set)
 
     def add(
         self,
@@ -295,6 +299,8 @@ class Repositories:
         package_of = plugin.packages.of if plugin.packages is not None else None
         if package_of is not None:
             self.package_of[repo.name] = package_of
+        if plugin.error_bodies == "json":
+            self.json_errors.add(repo.name)
         if plugin.proxying is not None:
             view = ProxiedView(
                 cache, repo.name, repo.format, upstream, cpu, repo.max_file_size, package_of

@@ -461,3 +461,27 @@ def test_a_hostile_packument_is_refused_or_cleaned_never_a_crash(document: bytes
         parsed = json.loads(rendered.replace(BASE_URL_MARK.encode(), b""))
         assert parsed["name"] == "x" and isinstance(parsed["versions"], dict)
         assert all(isinstance(v, str) for v in parsed["dist-tags"].values())
+
+
+async def test_errors_are_json_with_the_message_npm_shows(tmp_path: Path) -> None:
+    """npm shows an error answer's message only from a JSON body's ``error`` (after the
+    status and URL); a plain-text body it drops. The npm format declares so, and every
+    error of its repositories is ``{"error": message}``; other formats keep text."""
+    upstream = Upstream()
+    upstream.documents["left-pad"]["versions"]["1.0.0"]["dist"]["integrity"] = sri(b"other")
+    async with npm_proxy(tmp_path, upstream) as p:
+        for method, path, status, says in (
+            ("PUT", "/npm/left-pad", 405, "publishing"),
+            ("GET", "/npm/-/v1/search?text=x", 404, "search is not offered"),
+            ("GET", "/npm/absent", 404, "'absent' not found on the upstream registry"),
+            ("GET", "/npm/left-pad/-/left-pad-1.0.0.tgz", 502, "nothing was stored"),
+            ("GET", "/npm/@acme", 400, "not an npm package name"),
+        ):
+            answer = await p.client.request(method, path)
+            assert answer.status_code == status
+            assert answer.headers["content-type"] == "application/json"
+            assert says in answer.json()["error"], answer.text
+        unknown = await p.client.get("/nowhere/x")  # no repository: no format to ask
+        assert unknown.status_code == 404 and unknown.headers["content-type"].startswith(
+            "text/plain"
+        )

@@ -202,6 +202,39 @@ def test_a_tampered_tarball_is_refused_and_never_stored(
     assert installed(folder) == {"tampered": "1.0.0"}
 
 
+def test_what_the_proxy_does_not_offer_fails_at_once_saying_why(
+    tmp_path: Path, registry: tuple[NpmRegistry, ServerThread], start_proxy: ProxyFactory
+) -> None:
+    """With npm's retries on (as they are by default), a refusal is not retried (npm
+    retries 5xx answers, for minutes at its default back-off) and npm shows the proxy's
+    reason (it prints a JSON error's ``error``, and nothing of a plain-text body)."""
+    fake, _server = registry
+    proxy = start_proxy(
+        load(write_config(tmp_path, npm_config(tmp_path / "data", fake.base_url)), {})
+    )
+    env = npm_env(tmp_path / "home", f"{proxy.url}/npm/") | {
+        "npm_config_fetch_retries": "2",
+        "npm_config_fetch_retry_mintimeout": "100",
+        "npm_config_fetch_retry_maxtimeout": "200",
+        "npm_config_loglevel": "http",
+    }
+    search = run_npm(["search", "left-pad"], tmp_path, env)
+    assert search.returncode != 0
+    assert "search is not offered by this proxy" in search.stderr, search.stderr
+    assert "attempt 2" not in search.stderr, search.stderr  # npm did not ask again
+
+    package = tmp_path / "mine"
+    package.mkdir()
+    (package / "package.json").write_text(json.dumps({"name": "mine", "version": "1.0.0"}))
+    (package / ".npmrc").write_text(f"//{proxy.url.removeprefix('http://')}/npm/:_authToken=t\n")
+    publish = run_npm(["publish"], package, env)
+    assert publish.returncode != 0
+    assert "405" in publish.stderr and "publishing and unpublishing are not offered" in (
+        publish.stderr
+    ), publish.stderr
+    assert "attempt 2" not in publish.stderr, publish.stderr
+
+
 @pytest.mark.postgres
 def test_three_replicas_on_postgres_fetch_each_tarball_once(
     tmp_path: Path, registry: tuple[NpmRegistry, ServerThread], pg_url: str

@@ -167,6 +167,11 @@ def test_the_name_and_the_default_repository_agree_with_the_registry() -> None:
     assert "FORMAT must be a contract.FormatPlugin, not NoneType" in problems(None)
 
 
+def test_error_bodies_are_text_or_json() -> None:
+    found = problems(broken(proxying=Proxying(build=Adapter), error_bodies="xml"))
+    assert "error_bodies must be one of ('text', 'json'), not 'xml'" in found
+
+
 @pytest.fixture
 def broken_format(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A registered format whose plugin declares mirroring but cannot provide it."""

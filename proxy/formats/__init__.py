@@ -17,10 +17,11 @@ import importlib
 import inspect
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, get_args
 
 from proxy.contract import (
     ENGINE_REPOSITORY_KEYS,
+    ErrorBodies,
     FormatPlugin,
     InvalidPlugin,
     options_of,
@@ -98,6 +99,8 @@ def _problems(candidate: object, name: str) -> Iterator[str]:
             yield f"proxying.max_upstreams must be a positive number or None, not {limit!r}"
     if plugin.packages is not None:
         yield from _callable_problems(plugin.packages.of, "packages.of", positional=1)
+    if plugin.error_bodies not in get_args(ErrorBodies):
+        yield f"error_bodies must be one of {get_args(ErrorBodies)}, not {plugin.error_bodies!r}"
     default = plugin.default_repository
     if callable(default):
         default = default("127.0.0.1")

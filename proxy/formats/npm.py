@@ -620,5 +620,6 @@ FORMAT = FormatPlugin(
     proxying=Proxying(build=NpmRepository, max_upstreams=1),
     mirroring=Mirroring(purl_types=("npm",), keys=NpmRepository.mirror),
     packages=Packages(of=package_of),
+    error_bodies="json",  # npm shows the message of a JSON error only
     default_repository={"name": "npm", "format": "npm"},
 )

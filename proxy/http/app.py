@@ -161,7 +161,7 @@ class Dispatcher:
                     )
                     response = await adapter.handle(request)
             except Exception as exc:
-                response = errors.answer(exc, repository)
+                response = errors.answer(exc, repository, repository in state.json_errors)
             if (
                 method in BODY_METHODS
                 and isinstance(response, responses.BodyResponse)

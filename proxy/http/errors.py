@@ -151,8 +151,9 @@ def rule_for(exc: BaseException) -> Rule:
     return RULES[Exception]  # a BaseException that is no Exception (never raised here)
 
 
-def answer(exc: BaseException, repository: str = "-") -> BodyResponse:
-    """The answer ``exc`` becomes, logged as its rule says."""
+def answer(exc: BaseException, repository: str = "-", as_json: bool = False) -> BodyResponse:
+    """The answer ``exc`` becomes, logged as its rule says; ``as_json``: the body is
+    ``{"error": message}`` (the repository's format says its clients read that)."""
     rule = rule_for(exc)
     if rule.level is not None:
         log.log(
@@ -167,4 +168,4 @@ def answer(exc: BaseException, repository: str = "-") -> BodyResponse:
         message = str(exc)
     else:
         message = rule.public if isinstance(rule.public, str) else rule.public(exc)
-    return error(rule.status, message, rule.headers(exc) if rule.headers else None)
+    return error(rule.status, message, rule.headers(exc) if rule.headers else None, as_json)

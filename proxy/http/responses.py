@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 from collections import OrderedDict
@@ -293,13 +294,20 @@ def cache_control(kind: Kind, max_age_s: int | None) -> bytes:
     return NEVER_STORE  # hosted (build-cache uploads), or anything else
 
 
-def error(status: int, message: str, extra: Mapping[str, str] | None = None) -> BodyResponse:
-    """A plain-text answer; the message is redacted (docs/architecture.md, "Secrets never
-    shown"): it may name an upstream URL, and the upstream's credentials stay ours."""
-    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"cache-control", NEVER_STORE)]
+def error(
+    status: int, message: str, extra: Mapping[str, str] | None = None, as_json: bool = False
+) -> BodyResponse:
+    """A plain-text answer, or ``{"error": message}`` ``as_json``; the message is redacted
+    (docs/architecture.md, "Secrets never shown"): it may name an upstream URL, and the
+    upstream's credentials stay ours."""
+    text = redact(message).rstrip("\n")
+    if as_json:
+        content_type, body = b"application/json", (json.dumps({"error": text}) + "\n").encode()
+    else:
+        content_type, body = b"text/plain; charset=utf-8", (text + "\n").encode()
+    headers = [(b"content-type", content_type), (b"cache-control", NEVER_STORE)]
     for name, value in (extra or {}).items():
         headers.append((name.lower().encode(), value.encode("latin-1")))
-    body = (redact(message).rstrip("\n") + "\n").encode()
     headers.append((b"content-length", str(len(body)).encode()))
     return BodyResponse(status, headers, body)
 
