@@ -4,9 +4,11 @@ against it over HTTP, on one process and on a fleet."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
+import types
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,6 +20,7 @@ from proxy.clock import ManualClock
 from proxy.config.load import load
 from proxy.contract import BASE_URL_MARK
 from proxy.exceptions import UpstreamUnavailable
+from proxy.formats import npm
 from proxy.formats.npm import dist_digests, negotiate, render_packument
 from proxy.testing import InMemoryProxy, MockResponse, UpstreamRequest
 from tests.conftest import write_config
@@ -485,3 +488,45 @@ async def test_errors_are_json_with_the_message_npm_shows(tmp_path: Path) -> Non
         assert unknown.status_code == 404 and unknown.headers["content-type"].startswith(
             "text/plain"
         )
+
+
+async def test_look_ups_in_a_big_packument_hold_few_copies_at_once(tmp_path: Path) -> None:
+    """``/<name>/<version>`` and dist-tags read the whole stored packument and ask a
+    parser about it. Forty clients at once each held their own copy while they waited
+    for the two parsers (a 34 MB packument took a replica from 110 MB to 1.5 GB): now
+    only as many copies are read as can be parsed at once, whatever the load."""
+    upstream = Upstream()
+    big = packument("left-pad")
+    template = big["versions"]["1.0.0"]
+    for i in range(300):
+        big["versions"][f"0.{i}.0"] = template | {"version": f"0.{i}.0", "readme": "x" * 200}
+    upstream.documents["left-pad"] = big
+    async with npm_proxy(tmp_path, upstream) as p:
+        assert (await p.client.get("/npm/left-pad")).status_code == 200
+        adapter: Any = p.engine.adapters["npm"]
+        held, most = 0, 0
+        read, compute = adapter.cache.read, adapter.compute
+
+        async def counted_read(*args: Any) -> bytes:
+            nonlocal held, most
+            body: bytes = await read(*args)
+            held += 1
+            most = max(most, held)
+            return body
+
+        async def counted_compute(*args: Any) -> Any:
+            nonlocal held
+            try:
+                return await compute(*args)
+            finally:
+                held -= 1
+
+        adapter.cache = types.SimpleNamespace(read=counted_read, respond=adapter.cache.respond)
+        adapter.compute = counted_compute
+        answers = await asyncio.gather(
+            *(p.client.get(f"/npm/left-pad/0.{i}.0") for i in range(40)),
+            *(p.client.get("/npm/-/package/left-pad/dist-tags") for _ in range(10)),
+        )
+        assert [a.status_code for a in answers] == [200] * 50
+        assert [a.json()["version"] for a in answers[:40]] == [f"0.{i}.0" for i in range(40)]
+        assert most <= npm.LOOK_UPS_AT_ONCE, most

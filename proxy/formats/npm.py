@@ -16,6 +16,7 @@ Scoped packages are named either way: ``/@scope%2fname`` (what npm sends) and
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -60,6 +61,7 @@ from proxy.contract import (
     RepositorySettings,
     Request,
     Response,
+    RetryLater,
     Size,
     Status,
     UpstreamUnavailable,
@@ -84,6 +86,11 @@ ABBREVIATED_FIELDS = (
 SRI_DIGESTS = {"sha1": "sha1", "sha256": "sha256", "sha384": "sha384", "sha512": "sha512"}
 DEFAULT_MAX_PACKUMENT_SIZE = 128 * 2**20  # the largest public packuments are tens of MB
 PACKAGE_NAME_MAX_CHARS = 214
+# Look-ups in stored packuments (versions, dist-tags) reading one at once: as many as
+# the engine's parser processes (two), since more would only hold their copy waiting;
+# one that waits longer than a parse may take is told to retry.
+LOOK_UPS_AT_ONCE = 2
+LOOK_UP_WAIT_S = 30.0
 _PART_RE = re.compile(r"^[A-Za-z0-9~-][A-Za-z0-9._~-]*$")
 _VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,255}$")
 _TARBALL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+~-]{0,300}\.tgz$")
@@ -203,6 +210,7 @@ class NpmRepository:
         self.responses = ctx.responses
         # The engine answers 503 for a repository without an upstream, before we are asked.
         self.registry = settings.upstreams[0] if settings.upstreams else ""
+        self._look_ups = asyncio.Semaphore(LOOK_UPS_AT_ONCE)
 
     async def handle(self, request: Request) -> Response:
         segments = request.segments
@@ -280,10 +288,22 @@ class NpmRepository:
     async def _look_up(self, package: PackageName, question: Callable[..., Any], *args: Any) -> Any:
         """``question(body, *args)`` on our full packument of ``package``, in ``compute``
         (a child process for all but tiny ones): only its small answer comes back, never
-        a parsed document of maybe millions of objects for the server to rebuild."""
+        a parsed document of maybe millions of objects for the server to rebuild. The
+        body is read only once a parser is ours: clients waiting for one would each
+        hold a copy of a packument of tens of MB meanwhile."""
         spec = self.packument_spec(package, "full")
-        body = await self.cache.read(spec, self.options.max_packument_size)
-        return await self.compute(question, body, *args)
+        try:
+            async with asyncio.timeout(LOOK_UP_WAIT_S):
+                await self._look_ups.acquire()
+        except TimeoutError:
+            raise RetryLater(
+                f"the packument parsers stayed busy for {LOOK_UP_WAIT_S:.0f} s; retry"
+            ) from None
+        try:
+            body = await self.cache.read(spec, self.options.max_packument_size)
+            return await self.compute(question, body, *args)
+        finally:
+            self._look_ups.release()
 
     async def _manifest(self, request: Request, package: PackageName, wanted: str) -> Response:
         """``/{package}/{version or dist-tag}``: one version's document (``npm view``)."""
