@@ -26,6 +26,15 @@ PROXY = ROOT / "proxy"
 DOC = ROOT / "docs" / "architecture.md"
 # Third-party packages of the engine: none may be loaded by `import proxy.contract`.
 ENGINE_LIBRARIES = ("uvicorn", "starlette", "prometheus_client", "httpx", "httpcore", "asyncpg")
+# Calls that load a module by its name, as an import statement does (importlib's,
+# the builtin, pkgutil's "module:attribute", runpy's, and find_spec's loader).
+IMPORTS_BY_NAME = frozenset(
+    {"import_module", "__import__", "resolve_name", "run_module", "find_spec"}
+)
+# The one module allowed to import by a name read at run time: the registry, whose
+# names are REGISTRY's values (test_the_registry_loads_only_formats).
+REGISTRY_MODULE = "proxy.formats"
+UNREADABLE = "<a module by a name the checker cannot read>"
 # Layers whose modules `import proxy.contract` (and a format: its package is the
 # registry, which imports only the contract) may load.
 CONTRACT_CLOSURE_LAYERS = {"foundation", "config vocabulary", "contract", "formats", "registry"}
@@ -93,18 +102,37 @@ def imports_in(source: str, module: str, known: set[str], is_package: bool = Fal
             for alias in node.names:
                 candidate = f"{base}.{alias.name}"
                 found.add(candidate if candidate in known else base)
+        elif isinstance(node, ast.Call) and _called_name(node.func) in IMPORTS_BY_NAME:
+            argument = node.args[0] if node.args else None
+            for keyword in node.keywords:
+                if keyword.arg in ("name", "modname"):
+                    argument = keyword.value
+            if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+                target = argument.value.partition(":")[0]  # resolve_name's "module:attr"
+                if target.split(".")[0] == "proxy":
+                    found.add(target)
+            elif module != REGISTRY_MODULE:
+                found.add(UNREADABLE)
         elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-            and node.args[0].value.startswith("proxy")
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "modules"
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, str)
+            and node.slice.value.split(".")[0] == "proxy"
         ):
-            found.add(node.args[0].value)
+            found.add(node.slice.value)  # sys.modules["proxy.x"]
     found.discard(module)
     return found
+
+
+def _called_name(func: ast.expr) -> str | None:
+    """``f`` of ``f(...)``, ``a.f(...)``: how a call reaches it does not matter."""
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return None
 
 
 def violations(graph: Mapping[str, set[str]], layers: list[Layer]) -> list[str]:
@@ -117,6 +145,12 @@ def violations(graph: Mapping[str, set[str]], layers: list[Layer]) -> list[str]:
             problems.append(f"{module} is in no layer of docs/architecture.md")
             continue
         for target in sorted(graph[module]):
+            if target == UNREADABLE:
+                problems.append(
+                    f"{module} imports a module by a name the checker cannot read: "
+                    "name it with a string literal"
+                )
+                continue
             theirs = layer_of(target, layers)
             if theirs is None:
                 problems.append(f"{module} imports {target}, which is in no layer")
@@ -178,7 +212,10 @@ def test_nothing_in_the_package_imports_the_test_seams() -> None:
 
 def synthetic(sources: dict[str, str]) -> list[str]:
     known = set(SOURCES) | set(sources)
-    graph = {name: imports_in(text, name, known) for name, text in sources.items()}
+    graph = {
+        name: imports_in(text, name, known, name in SOURCES and SOURCES[name].name == "__init__.py")
+        for name, text in sources.items()
+    }
     return violations(graph, LAYERS)
 
 
@@ -243,6 +280,45 @@ def test_the_checker_resolves_relative_imports_and_import_module() -> None:
         "proxy.jobs.sweep (services) imports proxy.cli (entry points)",
         "proxy.runtime.tasks (runtime) imports proxy.catalog (backends)",
     ]
+
+
+def test_the_checker_sees_every_way_to_import_by_name() -> None:
+    """``import_module`` however it is reached, ``__import__``, ``pkgutil.resolve_name``
+    and ``sys.modules[...]`` load a module as surely as an import statement; a name the
+    checker cannot read (a variable, an f-string) is refused outright, except in the
+    registry, whose names are REGISTRY's (checked to be formats below)."""
+    found = synthetic(
+        {
+            "proxy.formats.npm": (
+                "from importlib import import_module\n"
+                "def f():\n"
+                "    import_module('proxy.http.responses')\n"
+                "    __import__('proxy.engine')\n"
+            ),
+            "proxy.formats.raw": "import pkgutil\npkgutil.resolve_name('proxy.cli:main')\n",
+            "proxy.formats.maven": "import sys\nsys.modules['proxy.cache'].Cache\n",
+            "proxy.formats.pypi": (
+                "import importlib\nname = 'proxy.' + 'engine'\nimportlib.import_module(name)\n"
+            ),
+            "proxy.formats": (
+                "import importlib\nimportlib.import_module(REGISTRY[name])\nfrom .. import engine\n"
+            ),
+        }
+    )
+    assert [line.split(":")[0] for line in found] == [
+        "proxy.formats (registry) imports proxy.engine (composition root)",
+        "proxy.formats.maven (formats) imports proxy.cache (services)",
+        "proxy.formats.npm (formats) imports proxy.engine (composition root)",
+        "proxy.formats.npm (formats) imports proxy.http.responses (transfer)",
+        "proxy.formats.pypi imports a module by a name the checker cannot read",
+        "proxy.formats.raw (formats) imports proxy.cli (entry points)",
+    ]
+
+
+def test_the_registry_loads_only_formats() -> None:
+    for name, module in formats.REGISTRY.items():
+        layer = layer_of(module, LAYERS)
+        assert layer is not None and layer.name == "formats", (name, module)
 
 
 def test_the_checker_reports_a_module_of_no_layer() -> None:
