@@ -520,11 +520,12 @@ class ProxyContext:
     """What the engine hands a proxying format when it builds one repository's adapter.
 
     ``compute(fn, *args)`` runs CPU-heavy work off the event loop (as in OriginContext);
-    ``responses`` builds the answers that are not errors (errors are raised).
+    ``responses`` builds the answers that are not errors (errors are raised). There is
+    no upstream client here: the format's Origin, opened by the engine on a miss, is its
+    only way upstream, so single flight, leases and negative entries cannot be skipped.
     """
 
     cache: ProxyCache
-    upstream: UpstreamClient
     compute: Callable[..., Awaitable[Any]]
     responses: Responses
 

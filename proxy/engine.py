@@ -306,9 +306,7 @@ class Repositories:
                 cache, repo.name, repo.format, upstream, cpu, repo.max_file_size, package_of
             )
             self.views[repo.name] = view
-            context = ProxyContext(
-                cache=view, upstream=upstream, compute=cpu.run, responses=responses
-            )
+            context = ProxyContext(cache=view, compute=cpu.run, responses=responses)
             adapter = plugin.proxying.build(repo, context)
             self.adapters[repo.name] = adapter
             if plugin.mirroring is not None:

@@ -19,7 +19,7 @@ import pytest
 from proxy import formats
 from proxy.catalog import queries
 from proxy.config.options import options_of
-from proxy.contract import FormatPlugin
+from proxy.contract import FormatPlugin, HostedContext, ProxyContext
 
 ROOT = Path(__file__).resolve().parent.parent
 PROXY = ROOT / "proxy"
@@ -362,6 +362,16 @@ def test_importing_every_format_loads_nothing_of_the_engine() -> None:
     loaded = loaded_by(statement)
     assert set(formats.REGISTRY.values()) <= set(loaded)
     assert _outside_the_contract(loaded) == []
+
+
+def test_an_adapter_is_handed_no_upstream_client() -> None:
+    """A format reaches the upstream only through its Origin, which the engine opens on a
+    miss (single flight, lease, negative entry): the context its adapter is built with
+    holds no client to ask the upstream past them (docs/architecture.md, "The request
+    path of a miss")."""
+    for context in (ProxyContext, HostedContext):
+        held = {f.name: str(f.type) for f in dataclasses.fields(context)}
+        assert not any("UpstreamClient" in kind for kind in held.values()), (context, held)
 
 
 # -- the module map ----------------------------------------------------------------------
