@@ -307,7 +307,7 @@ class Repositories:
             )
             self.views[repo.name] = view
             context = ProxyContext(cache=view, compute=cpu.run, responses=responses)
-            adapter = plugin.proxying.build(repo, context)
+            adapter = _checked(plugin, "proxying", plugin.proxying.build(repo, context))
             self.adapters[repo.name] = adapter
             if plugin.mirroring is not None:
                 self.mirror_sources[repo.name] = MirrorSource(
@@ -329,7 +329,7 @@ class Repositories:
             hosted = HostedView(cache, repo.name, repo.format)
             self.views[repo.name] = hosted
             hosting = HostedContext(store=hosted, responses=responses, throttle=FailureThrottle())
-            built = plugin.hosting.build(repo, hosting)
+            built = _checked(plugin, "hosting", plugin.hosting.build(repo, hosting))
             self.adapters[repo.name] = CountedUploads(built, repo.name)
             if plugin.hosting.max_size is not None:
                 limit = plugin.hosting.max_size(repo.options)
@@ -339,6 +339,18 @@ class Repositories:
             raise InvalidPlugin(f"format {plugin.name!r} declares no way to serve {repo.name!r}")
         for warning in plugin.warnings(repo, listen_host) if plugin.warnings else ():
             log.warning("%s", warning)
+
+
+def _checked(plugin: FormatPlugin[Any, Any], capability: str, adapter: Adapter) -> Adapter:
+    """``adapter`` if it can answer requests; ``InvalidPlugin`` naming the format if not (a
+    builder function's adapter cannot be checked before it is built)."""
+    problems = list(formats.adapter_problems(adapter))
+    if problems:
+        raise InvalidPlugin(
+            f"format {plugin.name!r}: {capability}.build built an adapter that cannot "
+            f"answer requests: {'; '.join(problems)}"
+        )
+    return adapter
 
 
 async def _flush_access_forever(cache: Cache) -> None:

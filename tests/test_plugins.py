@@ -33,6 +33,7 @@ from proxy.contract import (
     option,
 )
 from proxy.exceptions import ConfigError, InvalidPlugin
+from proxy.testing import InMemoryProxy, MockResponse
 from tests.conftest import write_config
 
 
@@ -165,6 +166,65 @@ def test_the_name_and_the_default_repository_agree_with_the_registry() -> None:
     assert "registered as 'demo' but names itself 'other'" in found
     assert "default_repository must say format = 'demo'" in found
     assert "FORMAT must be a contract.FormatPlugin, not NoneType" in problems(None)
+
+
+class NoHandle:
+    def __init__(self, settings: RepositorySettings[Options], ctx: ProxyContext) -> None:
+        pass
+
+
+class SyncHandle(NoHandle):
+    def handle(self, request: Request) -> Response:
+        raise NotImplementedError
+
+
+class HandleTakingNothing(NoHandle):
+    async def handle(self) -> Response:
+        raise NotImplementedError
+
+
+def test_an_adapter_class_must_answer_requests() -> None:
+    """Every request goes to ``adapter.handle(request)``: an adapter without one was a
+    500 on every request instead of an error at registration."""
+    for adapter, says in (
+        (NoHandle, "NoHandle has no handle"),
+        (SyncHandle, "SyncHandle.handle must be an async method"),
+        (HandleTakingNothing, "HandleTakingNothing.handle cannot be called with a request"),
+    ):
+        found = problems(broken(proxying=Proxying(build=adapter)))
+        assert f"proxying.build: {says}" in found, found
+    hosted = problems(broken(hosting=Hosting(build=NoHandle)))  # type: ignore[arg-type]
+    assert "hosting.build: NoHandle has no handle" in hosted
+
+
+@pytest.mark.anyio
+async def test_an_adapter_built_by_a_function_is_checked_when_built(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def build(settings: RepositorySettings[Options], ctx: ProxyContext) -> Any:
+        return NoHandle(settings, ctx)
+
+    module = types.ModuleType("tests.handleless_format")
+    module.FORMAT = broken(name="handleless", proxying=Proxying(build=build))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tests.handleless_format", module)
+    monkeypatch.setitem(formats.REGISTRY, "handleless", "tests.handleless_format")
+    try:
+        config = write_config(
+            tmp_path,
+            f"""
+            [storage]
+            path = "{tmp_path / "data"}"
+            [[repositories]]
+            name = "h"
+            format = "handleless"
+            upstream = "https://upstream.example/"
+            """,
+        )
+        with pytest.raises(InvalidPlugin, match=r"format 'handleless': .*NoHandle has no handle"):
+            async with InMemoryProxy(load(config, {}), lambda request: MockResponse(404)):
+                pass
+    finally:
+        formats.plugin.cache_clear()
 
 
 def test_error_bodies_are_text_or_json() -> None:

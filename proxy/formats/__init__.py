@@ -75,9 +75,10 @@ def _problems(candidate: object, name: str) -> Iterator[str]:
     elif len(serving) == 2:
         yield "it declares both proxying and hosting; a repository is served one way"
     for capability in serving:
-        yield from _callable_problems(
-            capability.build, f"{type(capability).__name__.lower()}.build", positional=2
-        )
+        what = f"{type(capability).__name__.lower()}.build"
+        yield from _callable_problems(capability.build, what, positional=2)
+        if isinstance(capability.build, type):  # a function's adapter is checked when built
+            yield from (f"{what}: {problem}" for problem in adapter_problems(capability.build))
     if plugin.hosting is not None and plugin.hosting.max_size is not None:
         yield from _callable_problems(plugin.hosting.max_size, "hosting.max_size", positional=1)
     mirroring = plugin.mirroring
@@ -128,6 +129,21 @@ def _options_problems(plugin: FormatPlugin[Any, Any]) -> Iterator[str]:
                 f"options declare {', '.join(taken)}, which the engine provides to every "
                 "proxying repository (read RepositorySettings.upstreams/.allow_hosts)"
             )
+
+
+def adapter_problems(adapter: object) -> Iterator[str]:
+    """What keeps ``adapter`` (a class, or what a builder built) from answering requests:
+    every request is ``await adapter.handle(request)``."""
+    name = adapter.__name__ if isinstance(adapter, type) else type(adapter).__name__
+    handle = getattr(adapter, "handle", None)
+    if handle is None:
+        yield f"{name} has no handle(request) method"
+    elif not inspect.iscoroutinefunction(handle):
+        yield f"{name}.handle must be an async method (async def handle(self, request))"
+    else:
+        positional = 2 if isinstance(adapter, type) else 1  # (self, request) on the class
+        for _problem in _callable_problems(handle, "handle", positional):
+            yield f"{name}.handle cannot be called with a request"
 
 
 def _callable_problems(fn: Callable[..., Any], what: str, positional: int) -> Iterator[str]:
