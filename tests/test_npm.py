@@ -182,7 +182,9 @@ def test_negotiation(accept: str | None, representation: str | None) -> None:
 async def test_scoped_packages_in_both_spellings(tmp_path: Path) -> None:
     async with npm_proxy(tmp_path, Upstream()) as p:
         bodies = set()
-        for path in ("/npm/@acme%2futil", "/npm/@acme%2Futil", "/npm/@acme/util"):
+        # The @ escaped too (encodeURIComponent of the whole name) means the same.
+        spellings = ("@acme%2futil", "@acme%2Futil", "@acme/util", "%40acme%2Futil", "%40acme/util")
+        for path in (f"/npm/{spelling}" for spelling in spellings):
             answer = await p.client.get(path, headers={"Accept": NPM_ACCEPT})
             assert answer.status_code == 200, answer.text
             bodies.add(answer.content)
@@ -313,6 +315,12 @@ async def test_dist_tags_and_version_documents(tmp_path: Path) -> None:
         ("GET", "/npm/", 404, "name a package"),
         ("GET", "/npm/a%2Fb", 400, "not allowed"),
         ("GET", "/npm/@acme", 400, "not an npm package name"),
+        ("GET", "/npm/%40acme", 400, "not an npm package name"),
+        ("GET", "/npm/@/x", 400, "not an npm package name"),
+        ("GET", "/npm/%40%2Fx", 400, "not an npm package name"),
+        ("GET", "/npm/@acme%2F..", 400, "not allowed"),
+        ("GET", "/npm/@acme%2Futil%2Fx", 400, "not allowed"),
+        ("GET", "/npm/@acme%2F%00", 400, "not allowed"),
         ("GET", "/npm/Bad%20Name", 400, "not an npm package name"),
         ("GET", "/npm/left-pad/a/b", 404, "no such npm registry path"),
     ],

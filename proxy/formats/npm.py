@@ -95,6 +95,7 @@ _PART_RE = re.compile(r"^[A-Za-z0-9~-][A-Za-z0-9._~-]*$")
 _VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,255}$")
 _TARBALL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+~-]{0,300}\.tgz$")
 _SCOPE_SEPARATOR_RE = re.compile("%2f", re.IGNORECASE)
+_ESCAPED_AT_RE = re.compile("^%40", re.IGNORECASE)
 # Answers that refuse are 4xx: npm retries a 5xx (twice, 10 s then 60 s apart), so a
 # 501 would keep `npm publish` or `npm search` waiting minutes for the same refusal.
 READ_ONLY = ("GET", "HEAD")
@@ -151,8 +152,9 @@ class PackageName:
 
 def split_name(segments: tuple[str, ...]) -> tuple[PackageName, tuple[str, ...]]:
     """The package a path names, and the segments after it: ``@scope%2fname/...``,
-    ``@scope/name/...`` or ``name/...``; ``BadRequest`` for anything else."""
-    first = segments[0]
+    ``@scope/name/...`` or ``name/...`` (the ``@`` escaped or not, as clients that escape
+    the whole name send it); ``BadRequest`` for anything else."""
+    first = _ESCAPED_AT_RE.sub("@", segments[0], count=1)
     if first.startswith("@") and _SCOPE_SEPARATOR_RE.search(first):
         scope, bare = _SCOPE_SEPARATOR_RE.split(first, maxsplit=1)
         name, rest = f"{decode_segment(scope)}/{decode_segment(bare)}", segments[1:]
