@@ -252,17 +252,35 @@ async def test_tarballs_are_verified_against_integrity_and_shasum(tmp_path: Path
 
 
 def test_dist_digests_reads_sri_and_shasum() -> None:
+    """As npm checks a tarball: against the strongest algorithm of ``integrity``, else
+    ``shasum``. Checking every digest listed refused tarballs npm itself installs from
+    the same packument (a stale ``shasum`` or a weaker SRI entry beside a right sha512)."""
     body = b"tarball"
-    both = dist_digests(
-        {"integrity": f"sha1-xxx {sri(body)}", "shasum": hashlib.sha1(body).hexdigest()}
+    sha512 = {"sha512": hashlib.sha512(body).hexdigest()}
+    assert dist_digests({"integrity": sri(body), "shasum": hashlib.sha1(body).hexdigest()}) == (
+        sha512
     )
-    assert both == {
-        "sha512": hashlib.sha512(body).hexdigest(),
-        "sha1": hashlib.sha1(body).hexdigest(),
+    assert dist_digests({"integrity": f"sha1-xxx {sri(body)}", "shasum": "0" * 40}) == sha512
+    weak = "sha1-" + base64.b64encode(hashlib.sha1(body).digest()).decode()
+    assert dist_digests({"integrity": f"{weak} sha512-not*base64"}) == {
+        "sha1": hashlib.sha1(body).hexdigest()
+    }
+    assert dist_digests({"integrity": "sha512-not*base64", "shasum": "A" * 40}) == {
+        "sha1": "a" * 40
     }
     assert dist_digests({"integrity": "sha512-not*base64", "shasum": "nothex"}) == {}
     assert dist_digests({"integrity": "md5-" + base64.b64encode(b"x" * 16).decode()}) == {}
     assert dist_digests({"integrity": "sha512-" + base64.b64encode(b"short").decode()}) == {}
+
+
+async def test_a_tarball_npm_accepts_is_not_refused_for_a_stale_shasum(tmp_path: Path) -> None:
+    upstream = Upstream()
+    dist = upstream.documents["left-pad"]["versions"]["1.0.0"]["dist"]
+    dist["shasum"] = "0" * 40  # wrong, beside a right sha512: npm checks the sha512 only
+    async with npm_proxy(tmp_path, upstream) as p:
+        answer = await p.client.get("/npm/left-pad/-/left-pad-1.0.0.tgz")
+        assert answer.status_code == 200, answer.text
+        assert answer.content == TARBALLS[("left-pad", "1.0.0")]
 
 
 async def test_only_tarballs_a_packument_listed_are_fetched(tmp_path: Path) -> None:

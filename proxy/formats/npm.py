@@ -8,7 +8,7 @@ proxy only by ``BASE_URL_MARK``, which the engine fills in with each request's o
 (``server.public_url``, else its Host), so no client changes what another gets. The
 upstream URL of every tarball is recorded (``LinkStore``): a tarball request can only
 make the proxy fetch a URL a packument it fetched listed, verified against that
-packument's ``dist.integrity`` (SRI, e.g. sha512) and ``dist.shasum`` (sha1).
+packument's ``dist.integrity`` (SRI, e.g. sha512), else its ``dist.shasum`` (sha1).
 
 Scoped packages are named either way: ``/@scope%2fname`` (what npm sends) and
 ``/@scope/name``. Publishing, login, audit and search are not offered (501).
@@ -84,6 +84,7 @@ ABBREVIATED_FIELDS = (
     "cpu", "libc", "_hasShrinkwrap", "hasInstallScript", "funding", "license",
 )  # fmt: skip
 SRI_DIGESTS = {"sha1": "sha1", "sha256": "sha256", "sha384": "sha384", "sha512": "sha512"}
+SRI_STRENGTH = ("sha1", "sha256", "sha384", "sha512")  # weakest first
 DEFAULT_MAX_PACKUMENT_SIZE = 128 * 2**20  # the largest public packuments are tens of MB
 PACKAGE_NAME_MAX_CHARS = 214
 # Look-ups in stored packuments (versions, dist-tags) reading one at once: as many as
@@ -505,27 +506,32 @@ def _refuse_constant(name: str) -> Any:
 
 
 def dist_digests(dist: dict[str, Any]) -> Digests:
-    """What a tarball must match: every known digest of ``dist.integrity`` (Subresource
-    Integrity: ``sha512-<base64>``, several separated by spaces) and ``dist.shasum`` (sha1,
-    hex). A malformed value is left out (npm itself would not use it either)."""
-    digests: Digests = {}
+    """What a tarball must match, as npm checks it: the strongest algorithm of
+    ``dist.integrity`` (Subresource Integrity: ``sha512-<base64>``, several separated by
+    spaces; its first value), else ``dist.shasum`` (sha1, hex). npm checks nothing else,
+    so neither do we: a stale ``shasum`` beside a right sha512 would otherwise refuse a
+    tarball npm installs. A malformed value is left out (npm would not use it either)."""
+    found: Digests = {}
     integrity = dist.get("integrity")
     if isinstance(integrity, str):
         for token in integrity.split():
             algorithm, _, value = token.partition("-")
             name = SRI_DIGESTS.get(algorithm.lower())
-            if name is None or name not in KNOWN_DIGESTS:
+            if name is None or name not in KNOWN_DIGESTS or name in found:
                 continue
             try:
                 raw = base64.b64decode(value.split("?")[0], validate=True)
             except (binascii.Error, ValueError):
                 continue
             if len(raw) == hashlib.new(name).digest_size:
-                digests[name] = raw.hex()
+                found[name] = raw.hex()
+    if found:
+        strongest = max(found, key=SRI_STRENGTH.index)
+        return {strongest: found[strongest]}
     shasum = dist.get("shasum")
     if isinstance(shasum, str) and re.fullmatch(r"[0-9a-fA-F]{40}", shasum):
-        digests.setdefault("sha1", shasum.lower())
-    return digests
+        return {"sha1": shasum.lower()}
+    return {}
 
 
 # Questions on our own stored packuments (run in ``compute``). Their marks are raw NULs
