@@ -4,6 +4,7 @@ followed and cancelled, the OpenAPI document, and clear errors for bad input."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from pathlib import Path
@@ -354,3 +355,45 @@ def test_package_names_with_a_slash(
         missing = api_client.get("/api/v1/packages/pypi/@scope/name")
         assert missing.status_code == 404 and "@scope/name" in missing.json()["error"]
         assert api_client.delete("/api/v1/packages/pypi/@scope%2Fname").json()["deleted"] == 0
+
+
+def cursor_of(values: list[str]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(values).encode()).decode().rstrip("=")
+
+
+def test_forged_cursors_odd_text_and_numbers_are_a_400(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory, database_url: str
+) -> None:
+    """Whatever a client puts in a cursor, a search, a key or a number is a 400 saying
+    so on either backend, never a 500 (an unencodable surrogate, a NUL that Postgres
+    refuses in text, a digit Python's int() reads but not as ASCII, a number over
+    64 bits)."""
+    database = f'[database]\nurl = "{database_url}"\n'
+    proxy = start_proxy(load(admin_config(tmp_path, upstream.base_url, extra=database), {}))
+    odd = ["\ud800", "a\x00b"]
+    with client(proxy.url) as api_client:
+        responses = []
+        for text in odd:
+            for values in ([text], ["a", text], [text, "k"]):
+                after = cursor_of(values)
+                for path in ("/api/v1/entries", "/api/v1/packages"):
+                    params = {"repository": "pypi", "after": after}
+                    responses.append(api_client.get(path, params=params))
+                    responses.append(api_client.get(path, params={**params, "q": "a"}))
+                responses.append(api_client.get("/ui/browse", params={"repository": "pypi",
+                                                                      "after": after}))  # fmt: skip
+        for path in ("/api/v1/entries", "/api/v1/packages"):
+            responses.append(api_client.get(path, params={"repository": "pypi", "q": "a\x00"}))
+        responses.append(api_client.get("/ui/browse", params={"repository": "pypi", "q": "\x00"}))
+        for path in ("entries/pypi/a%00b", "packages/pypi/a%00b"):
+            responses.append(api_client.get(f"/api/v1/{path}"))
+            responses.append(api_client.delete(f"/api/v1/{path}"))
+            responses.append(api_client.get(f"/ui/{path}"))
+        for number in ("%C2%B2", "99999999999999999999999"):
+            responses.append(api_client.get(f"/api/v1/mirror-runs/{number}"))
+            responses.append(api_client.delete(f"/api/v1/mirror-runs/{number}"))
+            responses.append(api_client.get(f"/ui/mirror-runs/{number}"))
+            responses.append(api_client.get(f"/api/v1/entries?repository=pypi&limit={number}"))
+    for response in responses:
+        assert response.status_code in (400, 404), (response.request.url, response.text)
+        assert "Internal Server Error" not in response.text

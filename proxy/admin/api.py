@@ -20,8 +20,15 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.auth import Caller, Refused
 from proxy.admin.openapi import openapi_document
-from proxy.admin.overview import PAGE_SIZE_DEFAULT
-from proxy.admin.requests import Failure, admin_state, caller_of, mirror_request, read_body
+from proxy.admin.overview import PAGE_SIZE_DEFAULT, PAGE_SIZE_MAX
+from proxy.admin.requests import (
+    Failure,
+    admin_state,
+    caller_of,
+    mirror_request,
+    number_in,
+    read_body,
+)
 from proxy.exceptions import BadRequest, Conflict, NotFound, ProxyError, UnsupportedMediaType
 from proxy.redaction import redact
 from proxy.runtime.blocking import run_blocking
@@ -69,9 +76,10 @@ def endpoint(handler: Endpoint) -> Callable[[Request], Awaitable[Response]]:
 
 def _limit(request: Request) -> int:
     text = request.query_params.get("limit", str(PAGE_SIZE_DEFAULT))
-    if not text.isdigit() or not 1 <= int(text) <= 500:
-        raise BadRequest(f"limit={text!r}: give a number from 1 to 500")
-    return int(text)
+    limit = number_in(text, PAGE_SIZE_MAX)
+    if limit is None or limit < 1:
+        raise BadRequest(f"limit={text!r}: give a number from 1 to {PAGE_SIZE_MAX}")
+    return limit
 
 
 async def stats(request: Request, caller: Caller) -> Any:
@@ -180,9 +188,10 @@ async def start_mirror_run(request: Request, caller: Caller) -> Any:
 
 def _run_id(request: Request) -> int:
     text = request.path_params["run_id"]
-    if not text.isdigit():
+    run_id = number_in(text)
+    if run_id is None:
         raise BadRequest(f"{text!r} is not a mirror run id")
-    return int(text)
+    return run_id
 
 
 async def mirror_run(request: Request, caller: Caller) -> Any:

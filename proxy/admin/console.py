@@ -24,7 +24,14 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin.auth import CSRF_FIELD, Caller, Refused, check_csrf
 from proxy.admin.install import client_guides
 from proxy.admin.overview import PAGE_SIZE_DEFAULT
-from proxy.admin.requests import Failure, admin_state, caller_of, mirror_request, read_body
+from proxy.admin.requests import (
+    Failure,
+    admin_state,
+    caller_of,
+    mirror_request,
+    number_in,
+    read_body,
+)
 from proxy.exceptions import Conflict, NotFound, ProxyError
 from proxy.redaction import redact
 from proxy.units import human_size
@@ -185,14 +192,19 @@ async def jobs(request: Request, caller: Caller) -> Response:
 
 
 async def mirror_run(request: Request, caller: Caller) -> Response:
-    text = request.path_params["run_id"]
-    if not text.isdigit():
-        raise NotFound(f"{text!r} is not a mirror run id")
-    run = await admin_state(request).overview.mirror_run(int(text))
+    run = await admin_state(request).overview.mirror_run(_run_id(request))
     return render(
         request, caller, "mirror_run.html", run=run,
         refresh_s=RUNNING_REFRESH_S if run["state"] == "running" else None,
     )  # fmt: skip
+
+
+def _run_id(request: Request) -> int:
+    text = request.path_params["run_id"]
+    run_id = number_in(text)
+    if run_id is None:
+        raise NotFound(f"{text!r} is not a mirror run id")
+    return run_id
 
 
 async def start_mirror_run(request: Request, caller: Caller) -> Response:
@@ -212,10 +224,7 @@ async def start_mirror_run(request: Request, caller: Caller) -> Response:
 async def cancel_mirror_run(request: Request, caller: Caller) -> Response:
     state = admin_state(request)
     await form_of(request, caller)
-    text = request.path_params["run_id"]
-    if not text.isdigit():
-        raise NotFound(f"{text!r} is not a mirror run id")
-    run_id = int(text)
+    run_id = _run_id(request)
     if not await state.engine.catalog.cancel_mirror_run(run_id):
         raise Conflict(f"mirror run {run_id} is not running")
     log.info("mirror run %d: cancellation asked from the console (by %s)", run_id, caller.name)

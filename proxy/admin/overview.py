@@ -250,6 +250,7 @@ class Overview:
         of packages whose name starts with it. ``next`` is the cursor of the next page."""
         limit = max(1, min(limit, PAGE_SIZE_MAX))
         cursor = decode_cursor(after)
+        q = checked_text(q, "q")
         if q:
             start = (cursor[0], cursor[1]) if len(cursor) == 2 else (q, "")
             rows = await self.engine.catalog.search_entries(repository, q, start, limit + 1)
@@ -272,6 +273,7 @@ class Overview:
     ) -> dict[str, Any]:
         limit = max(1, min(limit, PAGE_SIZE_MAX))
         cursor = decode_cursor(after)
+        q = checked_text(q, "q")
         rows = await self.engine.catalog.list_packages(
             repository, q, cursor[0] if len(cursor) == 1 else "", limit + 1
         )
@@ -292,6 +294,7 @@ class Overview:
         }
 
     async def package(self, repository: str, package: str) -> dict[str, Any]:
+        package = checked_text(package, "package")
         rows = await self.engine.catalog.package_entries(repository, package, PACKAGE_ENTRIES_MAX)
         if not rows:
             raise NotFound(f"nothing of package {package!r} is cached in {repository}")
@@ -310,6 +313,7 @@ class Overview:
         }
 
     async def entry(self, repository: str, key: str) -> dict[str, Any]:
+        key = checked_text(key, "key")
         entry = await self.engine.catalog.get_entry(repository, key)
         if entry is None:
             raise NotFound(f"no entry {key!r} in {repository}")
@@ -342,6 +346,7 @@ class Overview:
                 f"repository {repository!r} ({self._format(repository)}) does not group its "
                 "entries by package; purge entries one by one"
             )
+        package = checked_text(package, "package")
         removed = await self.engine.catalog.delete_package(repository, package)
         for gone in removed:
             self.engine.cache.index.drop(repository, gone.key)
@@ -354,6 +359,7 @@ class Overview:
         }
 
     async def purge_entry(self, repository: str, key: str) -> dict[str, Any]:
+        key = checked_text(key, "key")
         deleted = await self.engine.catalog.purge_entry(repository, key)
         self.engine.cache.index.drop(repository, key)
         if not deleted:
@@ -428,6 +434,25 @@ def decode_cursor(text: str | None) -> list[str]:
         raise BadRequest(f"after={text!r} is not a cursor this proxy gave out") from None
     if not isinstance(values, list) or not 1 <= len(values) <= 2:
         raise BadRequest(f"after={text!r} is not a cursor this proxy gave out")
-    if not all(isinstance(v, str) for v in values):
+    if not all(isinstance(v, str) and _storable(v) for v in values):
         raise BadRequest(f"after={text!r} is not a cursor this proxy gave out")
     return values
+
+
+def checked_text(value: str, what: str) -> str:
+    """``value`` (a search, a key, a package name from a client), or ``BadRequest`` if
+    it holds what no stored key or name can: a NUL (Postgres refuses it in text) or a
+    lone surrogate (no UTF-8 encodes it; both backends refuse it)."""
+    if not _storable(value):
+        raise BadRequest(f"{what} {value!r} holds a character no key or package name has")
+    return value
+
+
+def _storable(text: str) -> bool:
+    if "\x00" in text:
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -24,6 +24,7 @@ log = logging.getLogger("proxy.admin")
 
 BODY_MAX_BYTES = 16 * 1024 * 1024  # an SBOM of a large product fits
 MIRROR_PURLS_MAX = 100_000
+ID_MAX = 2**63 - 1  # ids are 64-bit in both backends
 
 
 @dataclass
@@ -57,6 +58,15 @@ async def read_body(request: Request, limit: int = BODY_MAX_BYTES) -> bytes:
             raise PayloadTooLarge(f"the request body is over {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def number_in(text: str, maximum: int = ID_MAX) -> int | None:
+    """``text`` as a whole number from 0 to ``maximum``, or None: ASCII digits only
+    (``str.isdigit`` also takes "²", which ``int`` refuses, and "٣", which it reads)."""
+    if not text.isascii() or not text.isdigit() or len(text) > len(str(maximum)):
+        return None
+    value = int(text)
+    return value if value <= maximum else None
 
 
 @dataclass(frozen=True)
