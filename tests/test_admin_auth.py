@@ -181,3 +181,38 @@ def test_admin_settings_are_validated(tmp_path: Path) -> None:
     described = load(admin_config(tmp_path, "http://127.0.0.1:9"), {}).describe()
     assert 'users.ops = { password = "***", token = "***" }' in described
     assert PASSWORD not in described and TOKEN not in described
+
+
+def test_behind_a_load_balancer_the_public_address_is_our_origin(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """With ``server.public_url``, a browser on the public address sends that Origin
+    while the Host the replica sees is whatever the balancer passes (the replica's own
+    name, or a Host without the port): its forms must work, and the install guide must
+    name the address clients use, not the replica's."""
+    public = "https://artifacts.example.com"
+    extra = f'[server]\npublic_url = "{public}"\n'
+    proxy = start_proxy(load(admin_config(tmp_path, upstream.base_url, extra=extra), {}))
+    balanced = {"host": "replica-1.internal:8080"}
+    page = httpx.get(f"{proxy.url}/ui/jobs", auth=AUTH, headers=balanced).text
+    token = re.search(r'name="csrf_token" value="([0-9a-f]+)"', page)
+    assert token is not None
+    form = {"repository": "pypi", "package": "alpha", "csrf_token": token.group(1)}
+    done = httpx.post(
+        f"{proxy.url}/ui/purge-package", auth=AUTH, data=form,
+        headers={**balanced, "origin": public},
+    )  # fmt: skip
+    assert done.status_code == 303, done.text
+    api = httpx.delete(
+        f"{proxy.url}/api/v1/packages/pypi/alpha", auth=AUTH,
+        headers={**balanced, "origin": public},
+    )  # fmt: skip
+    assert api.status_code == 200, api.text
+    elsewhere = httpx.delete(
+        f"{proxy.url}/api/v1/packages/pypi/alpha", auth=AUTH,
+        headers={**balanced, "origin": "https://artifacts.example.com.evil.example"},
+    )  # fmt: skip
+    assert elsewhere.status_code == 403
+    guide = httpx.get(f"{proxy.url}/ui/install", auth=AUTH, headers=balanced).text
+    assert f"{public}/pypi/simple/" in guide and "replica-1.internal" not in guide
+    assert "allowInsecureProtocol" not in guide  # the clients' address is HTTPS

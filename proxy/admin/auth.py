@@ -12,7 +12,8 @@ console, API and logs").
   address; 429 with Retry-After while locked.
 - **Cross-site requests**: a browser sends cached Basic credentials with any request,
   so every write (any method but GET/HEAD) must come from our own origin (Origin, or
-  Referer, must match the Host; ``Sec-Fetch-Site: cross-site`` is refused), console
+  Referer, must match the Host or ``server.public_url``; ``Sec-Fetch-Site: cross-site``
+  is refused), console
   forms must carry the user's CSRF token, and API writes with Basic credentials must
   be JSON (a cross-site form cannot send that without a CORS preflight we never grant).
 """
@@ -76,6 +77,7 @@ def loopback(host: str) -> bool:
 class AdminAuth:
     def __init__(self, settings: Settings, throttle: FailureThrottle | None = None) -> None:
         self.admin = settings.admin
+        self.public_url = settings.public_url
         self.throttle = throttle or FailureThrottle()
         # A first look on one's own machine: no file, loopback only, reads only.
         self.open_reads = self.admin.anonymous == "read" or (
@@ -105,7 +107,7 @@ class AdminAuth:
         if write:
             if not caller.can_write:
                 raise self._challenge("changes need an admin user (admin.users)")
-            check_same_origin(request)
+            check_same_origin(request, self.public_url)
         return caller
 
     def _authenticated(self, authorization: str, client: str) -> Caller:
@@ -177,8 +179,11 @@ def check_csrf(caller: Caller, given: str | None) -> None:
         raise Refused(403, "the form's CSRF token is missing or wrong; reload the page")
 
 
-def check_same_origin(request: Request) -> None:
-    """Refuse a write that a page of another origin made the browser send."""
+def check_same_origin(request: Request, public_url: str | None = None) -> None:
+    """Refuse a write that a page of another origin made the browser send. Ours are
+    the Host the request names and ``server.public_url``: behind a load balancer the
+    browser's Origin is the public address, while the Host a replica sees is whatever
+    the balancer passes on."""
     if request.headers.get("sec-fetch-site") == "cross-site":
         raise Refused(403, "cross-site requests may not change anything")
     source = request.headers.get("origin") or request.headers.get("referer")
@@ -186,6 +191,8 @@ def check_same_origin(request: Request) -> None:
         if source == "null":
             raise Refused(403, "requests from an opaque origin may not change anything")
         return  # not a browser (curl, scripts): nothing to protect against
-    host = request.headers.get("host", "")
-    if urlsplit(source).netloc.lower() != host.lower():
+    ours = {request.headers.get("host", "").lower()}
+    if public_url is not None:
+        ours.add(urlsplit(public_url).netloc.lower())
+    if urlsplit(source).netloc.lower() not in ours:
         raise Refused(403, f"cross-origin requests may not change anything (from {source})")

@@ -300,7 +300,11 @@ async def purge_entry(request: Request, caller: Caller) -> Response:
 
 async def install(request: Request, caller: Caller) -> Response:
     state = admin_state(request)
-    base = f"{request.url.scheme}://{request.headers.get('host', request.url.netloc)}"
+    # The address clients use: behind a load balancer, server.public_url (the Host a
+    # replica sees is the balancer's business).
+    base = state.engine.settings.public_url or (
+        f"{request.url.scheme}://{request.headers.get('host', request.url.netloc)}"
+    )
     guides = client_guides(state.engine.settings, base)
     return render(request, caller, "install.html", base=base, guides=guides)
 

@@ -1,0 +1,122 @@
+"""deploy/nginx.conf run by a real nginx in front of a real proxy: what the balancer
+passes on must leave the proxy's answers right for the clients behind it.
+
+The compose stack's config is used as shipped, with only what ties it to Docker
+replaced (the DNS resolver and the replicas' name become this machine's proxy, the
+listen port a free one, the paths a temp folder). nginx is Debian's package, installed
+by .ci/run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.config.load import load
+from tests.admin_support import AUTH, admin_config, wait_until
+from tests.conftest import ProxyFactory
+from tests.npm_registry import NpmRegistry, Tarball, start_registry
+from tests.pg import free_port
+from tests.upstream import FakeUpstream
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def balancer_config(folder: Path, listen_port: int, replica_port: int) -> Path:
+    text = (DEPLOY / "nginx.conf").read_text()
+    replacements = {
+        "resolver 127.0.0.11 valid=5s ipv6=off;": "",
+        "set $replicas proxy-replicas;": "set $replicas 127.0.0.1;",
+        "http://$replicas:8080": f"http://$replicas:{replica_port}",
+        "listen 8080;": f"listen 127.0.0.1:{listen_port};",
+        "/var/cache/nginx/artifacts": str(folder / "cache"),
+        "access_log /dev/stdout lb;": f"access_log {folder / 'access.log'} lb;",
+    }
+    for old, new in replacements.items():
+        assert old in text, f"deploy/nginx.conf no longer has {old!r}: update this test"
+        text = text.replace(old, new)
+    # As root, nginx's workers would run as nobody, who may not enter the test's folder.
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    path = folder / "nginx.conf"
+    path.write_text(f"{user}pid {folder / 'nginx.pid'};\nerror_log {folder / 'error.log'};\n{text}")
+    return path
+
+
+@pytest.fixture
+def balanced(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> Iterator[tuple[str, NpmRegistry]]:
+    """The URL of nginx in front of one proxy (with an admin user and an npm repository)."""
+    if not Path(NGINX).exists():
+        pytest.fail("these tests need Debian's nginx (.ci/run installs it)", pytrace=False)
+    registry = NpmRegistry()
+    registry.publish(Tarball("left-pad", "1.0.0", b"\x1f\x8b not really a tarball", {}))
+    registry_server = start_registry(registry)
+    npm = f"""
+    [[repositories]]
+    name = "npm"
+    format = "npm"
+    upstream = "{registry.base_url}/"
+    """
+    proxy = start_proxy(load(admin_config(tmp_path, upstream.base_url, extra=npm), {}))
+    folder = tmp_path / "nginx"
+    folder.mkdir()
+    port = free_port()
+    config = balancer_config(folder, port, int(proxy.url.rsplit(":", 1)[1]))
+    nginx = subprocess.Popen(
+        [NGINX, "-p", str(folder), "-c", str(config), "-g", "daemon off;"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,  # it logs to error.log
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            assert nginx.poll() is None, (folder / "error.log").read_text()
+            try:
+                return httpx.get(f"{url}/lb-healthz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("nginx to listen", up)
+        yield url, registry
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=30)
+        registry_server.stop()
+
+
+def test_the_console_works_through_the_balancer(balanced: tuple[str, NpmRegistry]) -> None:
+    """A browser on the balancer's address sends its Origin with the port: the Host the
+    replica sees must keep it, or every form and API write is refused as cross-origin
+    (nginx's $host drops the port), and the install guide names an address without it."""
+    url, _registry = balanced
+    origin = {"origin": url}
+    page = httpx.get(f"{url}/ui/jobs", auth=AUTH).text
+    token = re.search(r'name="csrf_token" value="([0-9a-f]+)"', page)
+    assert token is not None
+    form = {"repository": "pypi", "package": "alpha", "csrf_token": token.group(1)}
+    done = httpx.post(f"{url}/ui/purge-package", auth=AUTH, data=form, headers=origin)
+    assert done.status_code == 303, done.text
+    api = httpx.delete(f"{url}/api/v1/packages/pypi/alpha", auth=AUTH, headers=origin)
+    assert api.status_code == 200, api.text
+    guide = httpx.get(f"{url}/ui/install", auth=AUTH).text
+    assert f'<code id="base-url">{url}</code>' in guide
+
+
+def test_npm_tarball_urls_name_the_balancer_with_its_port(
+    balanced: tuple[str, NpmRegistry],
+) -> None:
+    url, _registry = balanced
+    packument = httpx.get(f"{url}/npm/left-pad", headers={"accept": "application/json"})
+    assert packument.status_code == 200, packument.text
+    tarball = packument.json()["versions"]["1.0.0"]["dist"]["tarball"]
+    assert tarball.startswith(f"{url}/npm/left-pad/-/"), tarball
