@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = command(
         "jobs",
         "every job and schedule: interval, last run and outcome, next due",
-        "The fleet's background jobs and mirror runs as the catalog records them.",
+        "The fleet's background jobs and mirror runs as the catalog records them. "
+        "Never creates or migrates a catalog.",
     )
     jobs.add_argument("--json", action="store_true", help="print JSON instead of a table")
     storage = commands.add_parser(
@@ -364,18 +365,33 @@ async def _gc(settings: Settings) -> int:
     return 0
 
 
-def _no_catalog(settings: Settings) -> str | None:
+async def _no_catalog(settings: Settings, current: bool = False) -> str | None:
     """Why a read-only command has nothing to read, or None. ``stats`` and ``jobs`` never
-    create a catalog: run in the wrong folder, they must say so, not report zeros."""
-    from proxy.catalog import sqlite_path
+    create a catalog: run in the wrong folder or on the wrong database, they must say
+    so, not report zeros. ``current``: the schema must be today's too (``jobs`` opens
+    the engine, which would apply the migrations a fleet has not applied yet)."""
+    from proxy.catalog import open_catalog, sqlite_path
+    from proxy.exceptions import CatalogError
 
+    hint = "`proxy serve` or `proxy migrate` creates it, or pass -c/--config"
     if settings.database_url.startswith("sqlite:"):
         path = sqlite_path(settings.database_url)
         if not path.is_file():
-            return (
-                f"database.url: no catalog at {path} (nothing is cached there yet; "
-                "`proxy serve` or `proxy migrate` creates it, or pass -c/--config)"
-            )
+            return f"database.url: no catalog at {path} (nothing is cached there yet; {hint})"
+    catalog = open_catalog(settings.database_url, connections=settings.database)
+    try:
+        pending = await catalog.pending_migrations()
+    except CatalogError as exc:
+        return redact(f"database.url: {exc}")
+    finally:
+        await catalog.close()
+    if pending is None:
+        return redact(f"database.url: no catalog in {settings.database_url} ({hint})")
+    if pending and current:
+        return (
+            f"database.url: the catalog predates this version ({', '.join(pending)} not "
+            "applied): run `proxy migrate` first"
+        )
     return None
 
 
@@ -384,7 +400,7 @@ async def _stats(settings: Settings, as_json: bool) -> int:
     from proxy.exceptions import CatalogError
     from proxy.units import human_size
 
-    missing = _no_catalog(settings)
+    missing = await _no_catalog(settings)
     if missing:
         print(missing, file=sys.stderr)
         return 1
@@ -503,7 +519,7 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
     from proxy.exceptions import CatalogError
     from proxy.units import format_duration
 
-    missing = _no_catalog(settings)
+    missing = await _no_catalog(settings, current=True)
     if missing:
         print(missing, file=sys.stderr)
         return 1

@@ -34,6 +34,23 @@ def _entry(key: str, sha: str | None = "a" * 64, size: int = 10, **kw: object) -
     return Entry(**fields)  # type: ignore[arg-type]
 
 
+async def test_a_migrated_catalog_has_no_pending_migrations(catalog: Catalog) -> None:
+    assert await catalog.pending_migrations() == []
+
+
+async def test_an_empty_database_holds_no_catalog_and_asking_creates_none(
+    database_url: str,
+) -> None:
+    fresh = open_catalog(database_url)
+    try:
+        assert await fresh.pending_migrations() is None
+        assert await fresh.pending_migrations() is None  # asking created nothing
+        await fresh.migrate()
+        assert await fresh.pending_migrations() == []
+    finally:
+        await fresh.close()
+
+
 async def test_entry_round_trip_and_upsert(catalog: Catalog) -> None:
     assert await catalog.get_entry("r", "k") is None
     entry = _entry("k", etag='"e1"', last_modified="Mon, 01 Jan 2024 00:00:00 GMT")

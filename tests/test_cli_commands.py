@@ -3,12 +3,14 @@ read-only commands that never create a catalog, settings a command does not read
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from tests.conftest import write_config
@@ -56,6 +58,51 @@ def test_stats_never_creates_a_catalog(tmp_path: Path) -> None:
     jobs = run(tmp_path, "jobs")
     assert jobs.returncode == 1 and "no catalog" in jobs.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_stats_and_jobs_create_no_catalog_in_an_empty_postgres_database(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """A database.url naming an empty database (a typo, the wrong server) is said to
+    hold no catalog; `proxy jobs` opened the engine, which applied every migration and
+    reported every job as never run."""
+    env = {"PROXY_DATABASE_URL": pg_url}
+    for command in ("stats", "jobs"):
+        done = run(tmp_path, command, env=env)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert "no catalog" in done.stderr and "proxy migrate" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+    async def tables() -> list[str]:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            rows = await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        finally:
+            await conn.close()
+        return [row["tablename"] for row in rows]
+
+    assert asyncio.run(tables()) == []
+    assert run(tmp_path, "migrate", env=env).returncode == 0
+    assert run(tmp_path, "jobs", env=env).returncode == 0
+    assert run(tmp_path, "stats", env=env).returncode == 0
+
+
+def test_jobs_does_not_migrate_an_older_catalog(tmp_path: Path) -> None:
+    """An older catalog is read as it is: `proxy jobs` asks for `proxy migrate` instead
+    of upgrading a fleet's schema behind its back; `proxy stats` still reads it."""
+    config = write_config(tmp_path, f'[storage]\npath = "{tmp_path / "data"}"\n')
+    assert run(tmp_path, "migrate", "-c", str(config)).returncode == 0
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "data" / "proxy.db")
+    [(newest,)] = db.execute("SELECT max(version) FROM schema_migrations").fetchall()
+    db.execute("DELETE FROM schema_migrations WHERE version = ?", (newest,))
+    db.commit()
+    jobs = run(tmp_path, "jobs", "-c", str(config))
+    assert jobs.returncode == 1 and "proxy migrate" in jobs.stderr, jobs.stderr
+    assert db.execute("SELECT max(version) FROM schema_migrations").fetchall() != [(newest,)]
+    db.close()
+    assert run(tmp_path, "stats", "-c", str(config)).returncode == 0
 
 
 def test_stats_and_jobs_print_json_and_human_sizes(tmp_path: Path) -> None:

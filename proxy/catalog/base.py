@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from proxy.catalog import (
@@ -32,6 +33,7 @@ from proxy.catalog import (
     Usage,
     entry_from_row,
     entry_to_row,
+    migration_files,
 )
 from proxy.catalog.queries import Queries
 from proxy.clock import Clock
@@ -44,6 +46,7 @@ JOB_FAILURES_KEPT = 100
 class SqlCatalog:
     backend: str
     queries: Queries
+    migrations: Path  # this dialect's migration files
     # Statements run, in the claim's own write transaction, before claim_lease.
     CLAIM_PRELUDE: tuple[str, ...] = ()
 
@@ -76,6 +79,19 @@ class SqlCatalog:
 
     async def ping(self) -> None:
         await self._fetchrow("ping")
+
+    async def pending_migrations(self) -> list[str] | None:
+        present = await self._fetchrow("migrations_table")
+        done = (
+            {row["version"] for row in await self._fetch("applied_migrations")}
+            if present is not None and present["present"]
+            else set()
+        )
+        if not done:
+            return None
+        return [
+            name for version, name, _sql in migration_files(self.migrations) if version not in done
+        ]
 
     # -- entries -------------------------------------------------------------------------
 

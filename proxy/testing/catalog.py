@@ -106,6 +106,10 @@ class MemoryCatalog:
         await self._enter("migrate")
         return []
 
+    async def pending_migrations(self) -> list[str] | None:
+        await self._enter("pending_migrations")
+        return []  # always the schema of today
+
     async def close(self) -> None:
         self._closed = True
 

@@ -22,6 +22,10 @@ CREATE TABLE IF NOT EXISTS schema_migrations
 -- name: applied_migrations
 SELECT version FROM schema_migrations
 
+-- name: migrations_table
+-- 1 if the database has a catalog's schema_migrations table (read without creating it).
+SELECT (to_regclass('schema_migrations') IS NOT NULL)::int AS present
+
 -- name: record_migration
 INSERT INTO schema_migrations VALUES ($1, $2, clock_timestamp())
 

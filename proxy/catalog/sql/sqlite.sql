@@ -17,6 +17,11 @@ CREATE TABLE IF NOT EXISTS schema_migrations
 -- name: applied_migrations
 SELECT version FROM schema_migrations
 
+-- name: migrations_table
+-- 1 if the database has a catalog's schema_migrations table (read without creating it).
+SELECT count(*) AS present FROM sqlite_master
+WHERE type = 'table' AND name = 'schema_migrations'
+
 -- name: record_migration
 INSERT INTO schema_migrations VALUES (?1, ?2, clock_ms())
 
