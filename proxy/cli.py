@@ -517,6 +517,7 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
     from proxy.clock import SYSTEM_CLOCK
     from proxy.engine import open_engine
     from proxy.exceptions import CatalogError
+    from proxy.mirror.runs import state_of
     from proxy.units import format_duration
 
     missing = await _no_catalog(settings, current=True)
@@ -566,7 +567,7 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
                             "id": m.id,
                             "name": m.name,
                             "origin": m.origin,
-                            "state": m.state,
+                            "state": state_of(m),
                             "holder": m.holder,
                             "started_ms": m.started_at_ms,
                             "finished_ms": m.finished_at_ms,
@@ -609,7 +610,7 @@ async def _jobs(settings: Settings, as_json: bool) -> int:
                     m.name,
                     m.origin,
                     f"{_when(m.started_at_ms)} ({_ago(now_ms - m.started_at_ms)} ago)",
-                    m.state,
+                    state_of(m),
                     f"{m.counts['fetched']} fetched, {m.counts['cached']} cached, "
                     f"{m.counts['failed'] + m.counts['missing']} failed",
                     m.holder,

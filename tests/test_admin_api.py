@@ -4,8 +4,12 @@ followed and cancelled, the OpenAPI document, and clear errors for bad input."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -14,7 +18,10 @@ import pytest
 
 from proxy.admin import api
 from proxy.admin.openapi import openapi_document
+from proxy.catalog import open_catalog
+from proxy.clock import ManualClock
 from proxy.config.load import load
+from proxy.mirror.runs import state_of
 from tests.admin_support import AUTH, TOKEN, admin_config, client, wait_until
 from tests.conftest import ProxyFactory
 from tests.upstream import FakeUpstream, ProjectFile
@@ -397,3 +404,54 @@ def test_forged_cursors_odd_text_and_numbers_are_a_400(
     for response in responses:
         assert response.status_code in (400, 404), (response.request.url, response.text)
         assert "Internal Server Error" not in response.text
+
+
+def test_a_killed_proxy_mirror_run_is_shown_interrupted_then_forgotten(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """`proxy mirror` killed (SIGKILL, a crash, the machine gone) leaves its run
+    'running': it must be shown interrupted once its progress stops being written (the
+    API, the console and `proxy jobs` judge it by ``state_of``), and be forgotten with
+    the other old runs (it stayed 'running' for ever, and was never deleted)."""
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
+    upstream.fault("/simple/alpha/", hang=True)
+    config = admin_config(tmp_path, upstream.base_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+    mirror = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "mirror", "-c", str(config), "pkg:pypi/alpha"],
+        env={**env, "PYTHONPATH": str(Path.cwd())},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    clock = ManualClock()
+    proxy = start_proxy(load(config, {}), clock)
+    try:
+        with client(proxy.url) as api_client:
+            [run] = wait_until(
+                "the run to be recorded",
+                lambda: api_client.get("/api/v1/jobs").json()["mirror_runs"],
+            )
+            assert run["state"] == "running" and run["origin"] == "cli"
+            mirror.kill()
+            mirror.wait(timeout=30)
+            clock.advance(60)  # long past the run's last progress
+            shown = api_client.get(f"/api/v1/mirror-runs/{run['id']}").json()
+            assert shown["state"] == "interrupted", shown
+            assert api_client.delete(f"/api/v1/mirror-runs/{run['id']}").status_code == 409
+    finally:
+        mirror.kill()
+        mirror.wait(timeout=30)
+        upstream.clear_faults()
+
+    async def forget() -> tuple[list[str], list[int]]:
+        catalog = open_catalog(load(config, {}).database_url, clock)
+        try:
+            states = [state_of(r) for r in await catalog.mirror_runs(10)]
+            clock.advance(8 * 86400)
+            await catalog.forget_fleet_history(7 * 86400)
+            return states, [r.id for r in await catalog.mirror_runs(10)]
+        finally:
+            await catalog.close()
+
+    states, left = asyncio.run(forget())
+    assert states == ["interrupted"] and left == []

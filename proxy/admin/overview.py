@@ -23,6 +23,7 @@ from proxy.catalog import EntrySummary, MirrorRun, Replica, StorageUsage
 from proxy.engine import Engine
 from proxy.exceptions import BadRequest, CatalogError, NotFound, describe_os_error
 from proxy.fleet import REPLICA_GONE_AFTER_S
+from proxy.mirror.runs import state_of
 from proxy.redaction import redact
 from proxy.runtime.blocking import run_blocking
 from proxy.types import Kind
@@ -218,10 +219,8 @@ class Overview:
              "reason": f.reason}
             for f in await engine.catalog.job_failures(RECENT_FAILURES)
         ]  # fmt: skip
-        live = {r["holder"] for r in await self.replicas() if r["alive"]}
         mirror_runs = [
-            mirror_run_dict(run, live)
-            for run in await engine.catalog.mirror_runs(RECENT_MIRROR_RUNS)
+            mirror_run_dict(run) for run in await engine.catalog.mirror_runs(RECENT_MIRROR_RUNS)
         ]
         return {"now_ms": now_ms, "jobs": jobs, "failures": failures, "mirror_runs": mirror_runs}
 
@@ -229,8 +228,7 @@ class Overview:
         run = await self.engine.catalog.mirror_run(run_id)
         if run is None:
             raise NotFound(f"no mirror run {run_id}")
-        live = {r["holder"] for r in await self.replicas() if r["alive"]}
-        return mirror_run_dict(run, live)
+        return mirror_run_dict(run)
 
     # -- what is cached -------------------------------------------------------------------
 
@@ -387,11 +385,8 @@ def _replica(row: Replica) -> dict[str, Any]:
     }
 
 
-def mirror_run_dict(run: MirrorRun, live_holders: set[str]) -> dict[str, Any]:
-    state = run.state
-    if state == "running" and run.holder not in live_holders and run.origin != "cli":
-        # Its replica stopped sending heartbeats: nobody will finish it.
-        state = "interrupted"
+def mirror_run_dict(run: MirrorRun) -> dict[str, Any]:
+    state = state_of(run)
     return {
         "id": run.id,
         "name": run.name,

@@ -5,7 +5,8 @@ admin API's) is a row of ``mirror_runs`` with its request, progress and outcome,
 
 While a run goes, its progress is written every ``PROGRESS_INTERVAL_S``; the same
 statement returns whether someone asked to cancel it (from any replica), so a
-cancellation costs no statement of its own and takes effect within one interval.
+cancellation costs no statement of its own and takes effect within one interval. A run
+whose progress stops being written is shown interrupted (``state_of``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from proxy.catalog import MIRROR_COUNTS, Catalog
+from proxy.catalog import MIRROR_COUNTS, Catalog, MirrorRun
 from proxy.exceptions import CatalogError
 from proxy.redaction import redact
 
@@ -26,7 +27,19 @@ if TYPE_CHECKING:  # runner.py imports this module
 log = logging.getLogger("proxy.mirrors")
 
 PROGRESS_INTERVAL_S = 1.0
+# A running run whose row was not written for this long has no process left to finish
+# it (killed, crashed, its machine gone): its progress is written every second.
+SILENT_AFTER_S = 15.0
 REQUEST_PURLS_SHOWN = 200  # a run's request keeps this many of its purls (and the count)
+
+
+def state_of(run: MirrorRun) -> str:
+    """The run's state as shown: its row's, except that a run still 'running' whose
+    progress stopped being written is 'interrupted' (whoever ran it, a replica or
+    `proxy mirror`, is gone without recording an outcome)."""
+    if run.state == "running" and run.now_ms - run.updated_at_ms > SILENT_AFTER_S * 1000:
+        return "interrupted"
+    return run.state
 
 
 class RecordedProgress:

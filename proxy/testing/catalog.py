@@ -638,7 +638,7 @@ class MemoryCatalog:
         finished = [
             i
             for i, r in self.runs.items()
-            if r.finished_at_ms is not None and r.finished_at_ms < cutoff
+            if (r.finished_at_ms if r.finished_at_ms is not None else r.updated_at_ms) < cutoff
         ]
         for run_id in finished:
             del self.runs[run_id]

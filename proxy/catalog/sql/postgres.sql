@@ -411,9 +411,10 @@ SELECT id, name, origin, holder, request::text AS request, state, cancel_request
 FROM mirror_runs ORDER BY id DESC LIMIT $1
 
 -- name: forget_mirror_runs
--- ($1 seconds): finished runs older than this.
+-- ($1 seconds): finished runs older than this, and runs nobody finished (their process
+-- died) silent as long.
 DELETE FROM mirror_runs
-WHERE finished_at_ms IS NOT NULL AND finished_at_ms < clock_ms() - ($1 * 1000)::bigint
+WHERE coalesce(finished_at_ms, updated_at_ms) < clock_ms() - ($1 * 1000)::bigint
 
 -- name: unpackaged_entries
 -- ($1 repository, $2 after this key, $3 most rows): keys stored without a package (by
