@@ -204,7 +204,7 @@ class Request:
     method: str
     repository: str
     raw_path: str  # after "/{repository}/", e.g. "simple/requests/" or "@s%2fn"
-    headers: Mapping[str, str]  # lower-case names
+    headers: Mapping[str, str]  # lower-case names; a name sent twice: one "a, b" value
     base_path: str  # "/{repository}/", under the app's root path
     receive: Receive = field(repr=False)
     query: str = ""  # the query string as sent, without "?"

@@ -49,6 +49,7 @@ class Echo:
             "segments": list(request.segments),
             "query": request.query,
             "base_path": request.base_path,
+            "accept": request.headers.get("accept"),
         }
         for name in ("path", "base_url"):
             try:
@@ -124,6 +125,22 @@ def test_absolute_urls_follow_the_host_header_without_public_url(
     assert (
         hostile["base_url"].startswith("refused: ") and "server.public_url" in hostile["base_url"]
     )
+
+
+def test_a_request_with_two_host_headers_is_refused(
+    echo_format: str, tmp_path: Path, start_proxy: ProxyFactory
+) -> None:
+    """RFC 9112, 3.2: more than one Host is a 400. Keeping one of them (the last) built
+    URLs from a host that a load balancer or cache in front, routing by the first, never
+    saw: an answer cached for one host naming another. Other repeated fields are one
+    list (RFC 9110, 5.3), not the last line alone."""
+    proxy = echo_proxy(tmp_path, start_proxy)
+    status, body = raw_get(proxy.url, "/e/x", [("Host", "a.example"), ("Host", "evil.example")])
+    assert status == 400 and b"more than one Host header" in body, body
+    status, body = raw_get(
+        proxy.url, "/e/x", [("Accept", "application/json;q=0"), ("Accept", "*/*")]
+    )
+    assert status == 200 and json.loads(body)["accept"] == "application/json;q=0, */*"
 
 
 def test_public_url_wins_over_any_host_header(

@@ -30,7 +30,7 @@ from proxy.engine import Engine, Seams, open_engine
 from proxy.exceptions import CatalogError, NotConfigured, NotFound
 from proxy.http import errors, responses
 from proxy.http.access_log import AccessLogMiddleware
-from proxy.http.paths import check_headers, split_path
+from proxy.http.paths import check_headers, request_headers, split_path
 from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.types import Receive, Scope, Send
@@ -143,9 +143,7 @@ class Dispatcher:
                     repository = name
                     if name in state.not_configured:
                         raise NotConfigured(state.not_configured[name])
-                    headers = {
-                        k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
-                    }
+                    headers = request_headers(scope["headers"])
                     base_path = f"{scope.get('root_path', '')}/{repository}/"
                     request = Request(
                         method,

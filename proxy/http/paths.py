@@ -82,6 +82,23 @@ def base_url(scheme: str, host: str | None, root_path: str, repository: str) -> 
     return f"{scheme}://{host}{root_path}/{repository}/"
 
 
+def request_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's header fields by (lower-case) name. A name sent on several lines
+    is one comma-separated list (RFC 9110, 5.3), as if sent once; ``BadRequest`` for
+    more than one Host (RFC 9112, 3.2): absolute URLs are built from it, and a load
+    balancer or cache in front may have routed or keyed the request by another one."""
+    headers: dict[str, str] = {}
+    for name_bytes, value_bytes in raw:
+        name, value = name_bytes.decode("latin-1").lower(), value_bytes.decode("latin-1")
+        if name not in headers:
+            headers[name] = value
+        elif name == "host":
+            raise BadRequest("more than one Host header")
+        else:
+            headers[name] = f"{headers[name]}, {value}"
+    return headers
+
+
 def check_headers(headers: list[tuple[bytes, bytes]]) -> None:
     total = sum(len(name) + len(value) + 4 for name, value in headers)
     if total > MAX_HEADER_BYTES:
