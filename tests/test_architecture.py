@@ -374,6 +374,50 @@ def test_an_adapter_is_handed_no_upstream_client() -> None:
         assert not any("UpstreamClient" in kind for kind in held.values()), (context, held)
 
 
+def libraries_in(source: str) -> set[str]:
+    """The top-level packages other than ours that ``source`` imports anywhere (in
+    functions too, by name too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif (
+            isinstance(node, ast.Call)
+            and _called_name(node.func) in IMPORTS_BY_NAME
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            found.add(str(node.args[0].value).partition(":")[0].split(".")[0])
+    return found - {"proxy"}
+
+
+def engine_libraries_of_the_contract(sources: Mapping[str, str]) -> list[str]:
+    """Modules that ``import proxy.contract`` may load, importing an engine library
+    somewhere: the runtime closure test sees an import only if it runs at import time."""
+    problems = []
+    for module, source in sorted(sources.items()):
+        layer = layer_of(module, LAYERS)
+        if layer is not None and layer.name in CONTRACT_CLOSURE_LAYERS:
+            for library in sorted(libraries_in(source) & set(ENGINE_LIBRARIES)):
+                problems.append(f"{module} ({layer.name}) imports {library}, of the engine")
+    return problems
+
+
+def test_nothing_the_contract_loads_imports_an_engine_library_even_later() -> None:
+    assert engine_libraries_of_the_contract({m: p.read_text() for m, p in SOURCES.items()}) == []
+    hidden = {
+        "proxy.types": "def f():\n    import httpx\n",
+        "proxy.formats.npm": "import importlib\nimportlib.import_module('starlette.responses')\n",
+        "proxy.engine": "import httpx\n",  # the engine may
+    }
+    assert engine_libraries_of_the_contract(hidden) == [
+        "proxy.formats.npm (formats) imports starlette, of the engine",
+        "proxy.types (foundation) imports httpx, of the engine",
+    ]
+
+
 # -- the module map ----------------------------------------------------------------------
 
 
