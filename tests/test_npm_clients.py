@@ -1,21 +1,26 @@
 """The real npm client through the proxy: ``npm install`` and ``npm ci`` (from a lock
 file), cold, warm and with the upstream stopped; scoped packages; a tampered tarball;
-three replicas on Postgres fetching each tarball once. The upstream is a local registry
+refusals npm neither retries nor hides; three replicas on Postgres fetching each
+tarball once, and one of them killed mid-packument. The upstream is a local registry
 (tests/npm_registry.py) serving packages made with ``npm pack``; npm reaches nothing
 but the proxy (its own cache, config and registry set per run, audit and funding off).
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 import textwrap
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from proxy.config.load import load
@@ -23,7 +28,8 @@ from proxy.storage.blobs import BlobStore
 from tests.conftest import ProxyFactory, write_config
 from tests.npm_registry import NpmRegistry, Tarball, npm_env, npm_pack, run_npm, start_registry
 from tests.processes import ProxyProcess, start_replicas
-from tests.upstream import ServerThread
+from tests.test_fleet import wait_for_holder
+from tests.upstream import FakeUpstream, ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -263,6 +269,77 @@ def test_three_replicas_on_postgres_fetch_each_tarball_once(
         assert {path: fake.count(path) for path in used} == dict.fromkeys(used, 1)
         for name in ("hello", "@acme/util", "left-pad"):
             assert fake.count(f"/{name}") == 1, (name, fake.requests)
+    finally:
+        for replica in started:
+            replica.stop()
+        shutil.rmtree(tmp_path / "shared", ignore_errors=True)
+
+
+@pytest.mark.postgres
+def test_sigkill_of_a_packument_holder_leaves_every_waiter_its_own_urls(
+    tmp_path: Path, upstream: FakeUpstream, pg_url: str
+) -> None:
+    """A packument is never streamed half-filled (its tarball URLs are filled in per
+    request, once it is stored): when the replica downloading it is killed, the
+    waiting replicas take over after one lease TTL and each client gets the whole
+    document with the URLs of the replica it asked, and nothing half-written is kept."""
+    tarball = b"\x1f\x8b\x08\x00" + b"a tarball"
+    sri = "sha512-" + base64.b64encode(hashlib.sha512(tarball).digest()).decode()
+    versions = {
+        f"1.0.{i}": {
+            "name": "slow",
+            "version": f"1.0.{i}",
+            "description": "x" * 2000,
+            "dist": {"tarball": f"{upstream.base_url}/files/slow.tgz", "integrity": sri},
+        }
+        for i in range(2000)
+    }
+    document = {"name": "slow", "dist-tags": {"latest": "1.0.0"}, "versions": versions}
+    upstream.files["/registry/slow"] = json.dumps(document).encode()
+    upstream.content_types["/registry/slow"] = "application/json"
+    upstream.files["/files/slow.tgz"] = tarball
+    # About 4 MB in 256 KiB pieces 0.3 s apart: the holder is killed well before the end.
+    upstream.fault("/registry/slow", chunk_size=256 * 1024, chunk_delay_s=0.3)
+    config = tmp_path / "fleet.toml"
+    database = f'[database]\n    url = "{pg_url}"'
+    config.write_text(
+        textwrap.dedent(
+            npm_config(tmp_path / "shared", upstream.base_url + "/registry", database)
+        ).replace('ttl = "5s"', 'ttl = "2s"')
+    )
+    started: list[ProxyProcess] = []
+    try:
+        replicas = start_replicas(started, config, tmp_path, 3)
+
+        async def scenario() -> list[tuple[int, bytes]]:
+            async with httpx.AsyncClient(timeout=120) as client:
+
+                async def get(replica: ProxyProcess) -> tuple[int, bytes]:
+                    answer = await client.get(replica.url + "/npm/slow")
+                    return answer.status_code, answer.content
+
+                holders = asyncio.ensure_future(get(replicas[0]))
+                await asyncio.to_thread(wait_for_holder, pg_url, "npm/packument/slow#full")
+                waiting = [asyncio.ensure_future(get(r)) for r in replicas[1:] for _ in range(2)]
+                await asyncio.sleep(0.8)  # the holder is mid-download
+                replicas[0].signal(signal.SIGKILL)
+                with pytest.raises(httpx.HTTPError):
+                    await holders
+                return list(await asyncio.gather(*waiting))
+
+        results = asyncio.run(scenario())
+        asked = [r for r in replicas[1:] for _ in range(2)]
+        for (status, body), replica in zip(results, asked, strict=True):
+            assert status == 200, body[:300]
+            served = json.loads(body)
+            assert len(served["versions"]) == 2000
+            urls = {v["dist"]["tarball"] for v in served["versions"].values()}
+            assert urls == {f"{replica.url}/npm/slow/-/slow-{v}.tgz" for v in versions}
+        assert upstream.count("/registry/slow") == 2  # the killed download, the takeover
+        assert httpx.get(replicas[1].url + "/npm/slow/-/slow-1.0.7.tgz").content == tarball
+        blobs = [p for p in (tmp_path / "shared" / "blobs").rglob("*") if p.is_file()]
+        assert len(blobs) >= 2  # the packument and the tarball; each holds what it names
+        assert all(hashlib.sha256(p.read_bytes()).hexdigest() == p.name for p in blobs)
     finally:
         for replica in started:
             replica.stop()
