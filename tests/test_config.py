@@ -180,6 +180,15 @@ def test_values_too_small_to_work_are_refused_naming_the_minimum(tmp_path: Path)
     )
 
 
+@pytest.mark.parametrize("listen", ["127.0.0.1:\u00b2", "127.0.0.1:\u0663", "127.0.0.1:080808"])
+def test_a_port_in_other_digits_is_a_config_error(listen: str) -> None:
+    """str.isdigit() takes "²" (which int() refuses: a traceback) and "٣" (which int()
+    reads as 3): a port is ASCII digits."""
+    with pytest.raises(ConfigError) as info:
+        load(None, {"PROXY_LISTEN": listen})
+    assert "server.listen" in str(info.value) and "HOST:PORT" in str(info.value)
+
+
 def test_structural_errors(tmp_path: Path) -> None:
     assert any(
         "is used by two repositories" in e

@@ -276,8 +276,9 @@ def test_an_upload_check_answers_what_the_put_would_get_without_a_body(
     # What deploy/nginx.conf asks (auth_request) before it answers Expect: 100-continue.
     key = "checked-key"
 
-    def check(auth: tuple[str, str] | None, length: str) -> httpx.Response:
-        return httpx.head(url(cache_proxy, key), auth=auth, headers={"X-Upload-Check": length})
+    def check(auth: tuple[str, str] | None, length: str | bytes) -> httpx.Response:
+        value = length if isinstance(length, bytes) else length.encode()
+        return httpx.head(url(cache_proxy, key), auth=auth, headers={b"X-Upload-Check": value})
 
     anonymous = check(None, "10")
     assert anonymous.status_code == 401 and "basic" in anonymous.headers["www-authenticate"].lower()
@@ -286,6 +287,9 @@ def test_an_upload_check_answers_what_the_put_would_get_without_a_body(
     assert check(CI, "2000000").status_code == 413  # over max_entry_size (1MB)
     assert check(CI, "10").status_code == 204
     assert check(CI, "").status_code == 204  # no length declared: decided as it arrives
+    # Headers are Latin-1: "²" and "¹" are digits to str.isdigit(), not to int().
+    for odd in (b"\xb2", b"\xb9", b"-1"):
+        assert check(CI, odd).status_code == 400, odd
     assert httpx.get(url(cache_proxy, key)).status_code == 404  # a check stores nothing
 
 

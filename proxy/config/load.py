@@ -934,7 +934,8 @@ class _Parser:
     def listen(self, value: str, key: str) -> tuple[str, int]:
         host, sep, port_text = value.rpartition(":")
         host = host.strip("[]")
-        if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        digits = port_text.isascii() and port_text.isdigit()  # isdigit alone takes "²", "٣"
+        if not sep or not host or not digits or not 0 <= int(port_text) <= 65535:
             self.error(key, f'{value!r} is not HOST:PORT; use e.g. "127.0.0.1:8080"')
             return "127.0.0.1", 8080
         return host, int(port_text)

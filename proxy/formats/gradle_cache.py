@@ -231,7 +231,7 @@ class BuildCacheRepository:
         body byte is read, so a client sending Expect: 100-continue never sends it."""
         if declared is None:
             return
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):  # isdigit alone takes "²"
             raise BadRequest(f"Content-Length {declared!r} is not a number")
         limit = self.options.max_entry_size
         if int(declared) > limit:
