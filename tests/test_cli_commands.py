@@ -50,6 +50,27 @@ def test_every_command_has_a_description_and_c_config(tmp_path: Path, command: s
     assert "-c FILE, --config FILE" in done.stdout
 
 
+@pytest.mark.parametrize("command", [["check-config"], ["stats"], ["jobs", "--json"]])
+def test_output_into_a_closed_pipe_is_no_traceback(tmp_path: Path, command: list[str]) -> None:
+    """`proxy jobs --json | head -1`: the reader leaves early; the command stops
+    quietly, as other Unix tools do (it printed a BrokenPipeError traceback)."""
+    config = write_config(tmp_path, f'[storage]\npath = "{tmp_path / "data"}"\n')
+    assert run(tmp_path, "migrate", "-c", str(config)).returncode == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the command writes a byte: every write fails
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "proxy", *command, "-c", str(config)],
+            cwd=tmp_path, env={**clean, "PYTHONPATH": str(Path.cwd())},
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 1
+
+
 def test_stats_never_creates_a_catalog(tmp_path: Path) -> None:
     done = run(tmp_path, "stats")
     assert done.returncode == 1
