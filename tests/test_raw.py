@@ -101,6 +101,32 @@ def test_mutable_paths_are_revalidated_after_metadata_ttl(
     assert stale.content == b"v2" and "110" in stale.headers["warning"]
 
 
+def test_a_path_made_mutable_is_revalidated_though_stored_immutable(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Settings apply to what is stored: a file stored while no `mutable` glob matched
+    it, served by a proxy restarted with a glob that does, is revalidated after
+    metadata_ttl and no longer told immutable (it was served as stored for ever)."""
+    clock = ManualClock()
+    path = "/releases/nightly/tool.txt"
+    upstream.files[path] = b"v1"
+    before = raw_config(tmp_path / "data", upstream.base_url)
+    before = before.replace('mutable = ["*/latest/*", "*.json"]', "mutable = []")
+    first = start_proxy(load(write_config(tmp_path, before, "before.toml"), {}), clock)
+    stored = httpx.get(first.url + "/tools/nightly/tool.txt")
+    assert stored.content == b"v1" and "immutable" in stored.headers["cache-control"]
+    first.stop()
+    after = before.replace("mutable = []", 'mutable = ["nightly/*"]')
+    second = start_proxy(load(write_config(tmp_path, after, "after.toml"), {}), clock)
+    fresh = httpx.get(second.url + "/tools/nightly/tool.txt")
+    assert fresh.content == b"v1" and "immutable" not in fresh.headers["cache-control"]
+    assert upstream.count(path) == 1  # fetched 0 s ago: fresh under metadata_ttl
+    upstream.files[path] = b"v2"
+    clock.advance(6 * 60)  # past metadata_ttl (5m)
+    assert httpx.get(second.url + "/tools/nightly/tool.txt").content == b"v2"
+    assert upstream.count(path) == 2
+
+
 def test_misses_folders_and_methods(
     raw_proxy: tuple[ServerThread, ManualClock], upstream: FakeUpstream
 ) -> None:

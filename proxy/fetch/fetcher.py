@@ -63,7 +63,12 @@ def under_current_ttl(entry: Entry, spec: FetchSpec) -> Entry:
     """``entry`` with the expiry today's settings give it: stored metadata and negative
     entries are fresh for the current ``metadata_ttl``/``negative_ttl`` from when they
     were fetched, not for the TTL they were stored under, so a changed TTL governs what
-    is stored at once (freshness, and the max-age clients are told)."""
+    is stored at once (freshness, and the max-age clients are told). A file stored as
+    immutable whose key the settings now make metadata (a raw repository's new
+    ``mutable`` glob) is metadata from when it was fetched: else it stayed for ever."""
+    if entry.kind is Kind.IMMUTABLE and spec.kind is Kind.METADATA and spec.ttl_s is not None:
+        expires_at_ms = entry.fetched_at_ms + int(spec.ttl_s * 1000)
+        return replace(entry, kind=Kind.METADATA, expires_at_ms=expires_at_ms)
     if entry.kind is Kind.METADATA and spec.ttl_s is not None:
         expires_at_ms = entry.fetched_at_ms + int(spec.ttl_s * 1000)
     elif entry.kind is Kind.NEGATIVE:
