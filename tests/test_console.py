@@ -84,6 +84,30 @@ def test_keys_from_anyone_are_escaped(console: httpx.Client, upstream: FakeUpstr
     assert "<b>onmouseover" not in page
 
 
+def test_a_notice_is_shown_only_if_the_console_wrote_it(console: httpx.Client) -> None:
+    """The notice after a form (post/redirect/get) travels in the URL: anyone's link
+    could put words in the console's mouth ("your password expired, go to ...")."""
+    phish = "Your session expired: sign in again at https://evil.example/login"
+    for path in ("/ui/", "/ui/jobs", "/ui/browse?repository=pypi"):
+        page = console.get(path, params={"notice": phish}).text
+        assert "evil.example" not in page, path
+    forged = console.get("/ui/", params={"notice": phish, "notice_sig": "0" * 64}).text
+    assert "evil.example" not in forged
+    token = csrf(console.get("/ui/jobs").text)
+    done = console.post(
+        "/ui/purge-package", data={"csrf_token": token, "repository": "pypi", "package": "x"},
+        follow_redirects=False,
+    )  # fmt: skip
+    assert done.status_code == 303
+    shown = console.get(done.headers["location"]).text
+    assert 'class="notice"' in shown and "purged x: 0 entries" in shown
+    # Another user's browser does not show it either: the notice is the writer's.
+    other = httpx.get(
+        str(console.base_url) + done.headers["location"], auth=("viewer", "viewer-password")
+    )
+    assert other.status_code == 200 and "purged x" not in other.text
+
+
 def test_forms_act_and_redirect(console: httpx.Client, upstream: FakeUpstream) -> None:
     assert console.get("/pypi/files/alpha/alpha-1.0.tar.gz").status_code == 200
     entry_page = console.get("/ui/entries/pypi/files/alpha/alpha-1.0.tar.gz").text

@@ -174,6 +174,15 @@ def csrf_token(user: AdminUser) -> str:
     return hmac.new(key, f"csrf:{user.name}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
+def notice_signature(caller: Caller, notice: str) -> str:
+    """What vouches that the console wrote ``notice`` for this user: a notice after a
+    form travels in the redirect's URL, and a link of anyone's could put words in the
+    console's mouth. Keyed like the CSRF token, so it holds on every replica; shown to
+    users only (anonymous callers change nothing, so get no notices)."""
+    key = caller.csrf_token.encode()
+    return hmac.new(key, f"notice:{notice}".encode(), hashlib.sha256).hexdigest()
+
+
 def check_csrf(caller: Caller, given: str | None) -> None:
     if not given or not hmac.compare_digest(given, caller.csrf_token):
         raise Refused(403, "the form's CSRF token is missing or wrong; reload the page")

@@ -9,6 +9,7 @@ user's CSRF token, answered with a redirect to the page that shows its effect
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from proxy.admin.auth import CSRF_FIELD, Caller, Refused, check_csrf
+from proxy.admin.auth import CSRF_FIELD, Caller, Refused, check_csrf, notice_signature
 from proxy.admin.install import client_guides
 from proxy.admin.overview import PAGE_SIZE_DEFAULT
 from proxy.admin.requests import (
@@ -97,7 +98,7 @@ def render(
         caller=caller,
         csrf_field=CSRF_FIELD,
         request_path=request.url.path,
-        notice=request.query_params.get("notice"),
+        notice=_notice(request, caller),
         **values,
     )
     return HTMLResponse(
@@ -112,6 +113,17 @@ def render(
             "referrer-policy": "same-origin",
         },
     )
+
+
+def _notice(request: Request, caller: Caller) -> str | None:
+    """The notice a form's redirect carries, if the console wrote it for this caller."""
+    notice = request.query_params.get("notice")
+    given = request.query_params.get("notice_sig", "")
+    if not notice or not caller.can_write:
+        return None
+    if not hmac.compare_digest(given, notice_signature(caller, notice)):
+        return None
+    return notice
 
 
 def page(handler: Page) -> Callable[[Request], Awaitable[Response]]:
@@ -149,9 +161,10 @@ async def form_of(request: Request, caller: Caller) -> dict[str, str]:
     return fields
 
 
-def back(path: str, notice: str | None = None, **query: str) -> Response:
+def back(path: str, caller: Caller, notice: str | None = None, **query: str) -> Response:
     if notice:
         query["notice"] = notice
+        query["notice_sig"] = notice_signature(caller, notice)
     suffix = f"?{urlencode(query)}" if query else ""
     return RedirectResponse(f"/ui{path}{suffix}", status_code=303)
 
@@ -218,7 +231,7 @@ async def start_mirror_run(request: Request, caller: Caller) -> Response:
         "console", asked.purls, asked.versions, asked.repository
     )
     log.info("mirror run %d started from the console (by %s)", run_id, caller.name)
-    return back(f"/mirror-runs/{run_id}", f"mirror run {run_id} started")
+    return back(f"/mirror-runs/{run_id}", caller, f"mirror run {run_id} started")
 
 
 async def cancel_mirror_run(request: Request, caller: Caller) -> Response:
@@ -228,7 +241,7 @@ async def cancel_mirror_run(request: Request, caller: Caller) -> Response:
     if not await state.engine.catalog.cancel_mirror_run(run_id):
         raise Conflict(f"mirror run {run_id} is not running")
     log.info("mirror run %d: cancellation asked from the console (by %s)", run_id, caller.name)
-    return back(f"/mirror-runs/{run_id}", f"cancellation of run {run_id} asked")
+    return back(f"/mirror-runs/{run_id}", caller, f"cancellation of run {run_id} asked")
 
 
 async def browse(request: Request, caller: Caller) -> Response:
@@ -283,6 +296,7 @@ async def purge_package(request: Request, caller: Caller) -> Response:
     )  # fmt: skip
     return back(
         "/browse",
+        caller,
         f"purged {name}: {result['deleted']} entries ({human_size(result['bytes'])})",
         repository=repository,
     )
@@ -295,7 +309,7 @@ async def purge_entry(request: Request, caller: Caller) -> Response:
     key = fields.get("key", "")
     await overview.purge_entry(repository, key)
     log.info("purged entry %s/%s from the console (by %s)", repository, key, caller.name)
-    return back("/browse", f"purged {key}", repository=repository, view="entries")
+    return back("/browse", caller, f"purged {key}", repository=repository, view="entries")
 
 
 async def install(request: Request, caller: Caller) -> Response:
