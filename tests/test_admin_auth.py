@@ -56,6 +56,16 @@ def test_embedded_defaults_on_loopback_open_the_console_read_only(
     assert httpx.get(proxy.url + "/ui/").status_code == 200
     refused = httpx.delete(proxy.url + "/api/v1/packages/pypi/x")
     assert refused.status_code == 403 and "admin.users" in refused.text
+    # A reverse proxy on the same machine (nginx on 0.0.0.0:80 in front of 127.0.0.1)
+    # makes every client look local: what it forwards is no look on one's own machine.
+    for forwarded in (
+        {"x-forwarded-for": "203.0.113.9"},
+        {"forwarded": "for=203.0.113.9"},
+        {"x-real-ip": "203.0.113.9"},
+    ):
+        behind = httpx.get(proxy.url + "/ui/", headers=forwarded)
+        assert behind.status_code == 403 and "admin.users" in behind.text, forwarded
+        assert httpx.get(proxy.url + "/api/v1/stats", headers=forwarded).status_code == 403
 
 
 def test_users_by_password_hash_and_token(

@@ -5,7 +5,8 @@ console, API and logs").
 - **Users** are ``[admin.users.<name>]`` with a password (HTTP Basic) and/or a token
   (``Authorization: Bearer``), compared as SHA-256 digests in constant time.
 - **No users**: 403 naming ``admin.users``, except that with the embedded defaults on a
-  loopback address the console's reads are open (a first look on one's own machine).
+  loopback address the console's reads are open to this machine's own clients (a first
+  look on one's own machine; not what a reverse proxy forwards).
   ``admin.anonymous = "read"`` opens the reads to anyone; writes always need a user.
 - **Wrong credentials** are logged and throttled (``runtime.throttle``): a known user's
   wrong passwords lock that user, guesses of unknown names or tokens lock the client
@@ -40,6 +41,7 @@ REALM = "proxy admin"
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
 
 
 @dataclass(frozen=True)
@@ -80,27 +82,38 @@ class AdminAuth:
         self.public_url = settings.public_url
         self.throttle = throttle or FailureThrottle()
         # A first look on one's own machine: no file, loopback only, reads only.
-        self.open_reads = self.admin.anonymous == "read" or (
-            settings.source == "embedded defaults" and loopback(settings.host)
-        )
+        self.anonymous_reads = self.admin.anonymous == "read"
+        self.local_reads = settings.source == "embedded defaults" and loopback(settings.host)
+
+    def _reads_open_to(self, request: Request) -> bool:
+        """Whether anyone may read, for this request. The embedded defaults' exception
+        is for this machine's own clients: a reverse proxy on the same machine in front
+        of the loopback address would make every client of the world look local."""
+        if self.anonymous_reads:
+            return True
+        if not self.local_reads:
+            return False
+        client = request.client.host if request.client else ""
+        return loopback(client) and not any(h in request.headers for h in FORWARDING_HEADERS)
 
     def caller(self, request: Request) -> Caller:
         """The caller of ``request``, or ``Refused``; writes are checked too."""
         write = request.method not in SAFE_METHODS
         authorization = request.headers.get("authorization")
         client = request.client.host if request.client else "-"
+        open_reads = self._reads_open_to(request)
         if not self.admin.users:
-            if write or not self.open_reads:
+            if write or not open_reads:
                 raise Refused(
                     403,
                     "the console and the admin API need an admin user: add "
                     "[admin.users.NAME] with password (or password_sha256) to the config "
-                    "(admin.users)" + ("; changes always need one" if self.open_reads else ""),
+                    "(admin.users)" + ("; changes always need one" if open_reads else ""),
                 )
             return Caller(None, "anonymous")
         if authorization:
             caller = self._authenticated(authorization, client)
-        elif self.open_reads and not write:
+        elif open_reads and not write:
             caller = Caller(None, "anonymous")
         else:
             raise self._challenge("log in as an admin user (admin.users)")
