@@ -328,6 +328,12 @@ def test_bad_input_gets_a_clear_error(proxied: str) -> None:
             headers={"authorization": f"Bearer {TOKEN}"},
         )  # fmt: skip
         assert bearer.status_code == 202
+        # Media types are case-insensitive (RFC 9110 8.3.1): any spelling of JSON is JSON.
+        spelled = api_client.post(
+            "/api/v1/mirror-runs", content=b'{"purls": ["pkg:pypi/beta@1.0"]}',
+            headers={"content-type": "Application/JSON; charset=UTF-8"},
+        )  # fmt: skip
+        assert spelled.status_code == 202, spelled.text
 
 
 def test_no_answer_shows_a_secret(

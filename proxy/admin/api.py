@@ -56,7 +56,7 @@ def endpoint(handler: Endpoint) -> Callable[[Request], Awaitable[Response]]:
             if (
                 request.method == "POST"
                 and caller.scheme == "basic"
-                and request.headers.get("content-type", "").split(";")[0].strip()
+                and request.headers.get("content-type", "").split(";")[0].strip().lower()
                 != "application/json"
             ):
                 # A cross-site form can send Basic credentials, but not JSON.
