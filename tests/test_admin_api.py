@@ -12,9 +12,13 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
 
 from proxy.admin import api
 from proxy.admin.openapi import openapi_document
@@ -237,6 +241,53 @@ def test_openapi_describes_every_route() -> None:
             served.add((path, method))
     assert served == described
     json.dumps(document)  # serializable
+
+
+def test_every_answer_matches_its_openapi_schema(proxied: str, upstream: FakeUpstream) -> None:
+    """What each endpoint answers (its data and its errors) is what the OpenAPI document
+    says it answers: a client generated from the document must be able to read it."""
+    fetch_all(proxied)
+    document = openapi_document()
+    registry: Registry[Any] = Registry().with_resource(
+        "urn:openapi", Resource.from_contents(document, default_specification=DRAFT202012)
+    )
+    upstream.fault("/simple/gamma/", hang=True)  # a download in flight, a running run
+    with client(proxied) as api_client:
+        run_id = api_client.post("/api/v1/mirror-runs", json={"purls": ["pkg:pypi/gamma"]}).json()[
+            "id"
+        ]
+        wait_until("the download", lambda: api_client.get("/api/v1/in-flight").json()["in_flight"])
+        asked = [
+            ("/api/v1/stats", "/api/v1/stats", "get"),
+            ("/api/v1/replicas", "/api/v1/replicas", "get"),
+            ("/api/v1/in-flight", "/api/v1/in-flight", "get"),
+            ("/api/v1/jobs", "/api/v1/jobs", "get"),
+            ("/api/v1/entries", "/api/v1/entries?repository=pypi&limit=3", "get"),
+            ("/api/v1/entries", "/api/v1/entries?repository=pypi&q=al", "get"),
+            ("/api/v1/entries", "/api/v1/entries", "get"),
+            ("/api/v1/packages", "/api/v1/packages?repository=pypi&limit=2", "get"),
+            ("/api/v1/entries/{repository}/{path}",
+             "/api/v1/entries/pypi/files/alpha/alpha-1.0.tar.gz", "get"),
+            ("/api/v1/entries/{repository}/{path}", "/api/v1/entries/pypi/none", "get"),
+            ("/api/v1/packages/{repository}/{package}", "/api/v1/packages/pypi/alpha", "get"),
+            ("/api/v1/mirror-runs/{run_id}", f"/api/v1/mirror-runs/{run_id}", "get"),
+            ("/api/v1/mirror-runs/{run_id}", f"/api/v1/mirror-runs/{run_id}", "delete"),
+            ("/api/v1/mirror-runs/{run_id}", "/api/v1/mirror-runs/x", "get"),
+            ("/api/v1/entries/{repository}/{path}",
+             "/api/v1/entries/pypi/files/beta/beta-1.0.tar.gz", "delete"),
+            ("/api/v1/packages/{repository}/{package}", "/api/v1/packages/pypi/delta", "delete"),
+            ("/api/v1/packages/{repository}/{package}", "/api/v1/packages/cache/x", "delete"),
+        ]  # fmt: skip
+        for path, url, method in asked:
+            response = api_client.request(method, url)
+            described = document["paths"][path][method]["responses"]
+            assert str(response.status_code) in described, (method, url, response.status_code)
+            schema = described[str(response.status_code)]["content"]["application/json"]
+            reference = {"$ref": "urn:openapi#" + schema["schema"]["$ref"][1:]}
+            validator = Draft202012Validator(reference, registry=registry)
+            errors = [e.message for e in validator.iter_errors(response.json())]
+            assert errors == [], (method, url, errors)
+    upstream.clear_faults()
 
 
 def test_bad_input_gets_a_clear_error(proxied: str) -> None:

@@ -47,6 +47,10 @@ SCHEMAS: dict[str, Any] = {
         },
         ["holder", "alive"],
     ),
+    "Replicas": _object(
+        {"replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}}},
+        ["replicas"],
+    ),
     "Stats": _object(
         {
             "repositories": {"type": "array", "items": {"$ref": "#/components/schemas/Repository"}},
@@ -63,6 +67,10 @@ SCHEMAS: dict[str, Any] = {
             "bytes": _NULL_INT, "length": _NULL_INT, "rate": _NULL_NUM, "waiters": _NULL_INT,
         },
         ["key", "holder"],
+    ),
+    "InFlightList": _object(
+        {"in_flight": {"type": "array", "items": {"$ref": "#/components/schemas/InFlight"}}},
+        ["in_flight"],
     ),
     "Entry": _object(
         {
@@ -165,6 +173,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
         "403": "no admin user configured (admin.users), or a cross-site request",
         "404": "no such repository, entry, package or run",
         "409": "the run is not running",
+        "413": "the body is over 16 MiB",
         "415": "a write with Basic credentials must be JSON",
         "429": "too many wrong passwords: see Retry-After",
     }
@@ -224,11 +233,11 @@ def openapi_document() -> dict[str, Any]:
             },
             "/api/v1/replicas": {
                 "get": {"summary": "the fleet's replicas and whether each is alive",
-                        "responses": {**_ok("Stats"), **_errors()}}
+                        "responses": {**_ok("Replicas"), **_errors()}}
             },
             "/api/v1/in-flight": {
                 "get": {"summary": "downloads in progress across the fleet (from the lease rows)",
-                        "responses": {**_ok("InFlight"), **_errors()}}
+                        "responses": {**_ok("InFlightList"), **_errors()}}
             },
             "/api/v1/jobs": {
                 "get": {"summary": "every job: last run, outcome, next due, holder; recent "
@@ -242,10 +251,10 @@ def openapi_document() -> dict[str, Any]:
             "/api/v1/entries/{repository}/{path}": {
                 "get": {"summary": "one entry: digests, upstream URL, times, policy",
                         "parameters": [repository, _path("path", "the entry's key")],
-                        "responses": {**_ok("EntryDetail"), **_errors("404")}},
+                        "responses": {**_ok("EntryDetail"), **_errors("400", "404")}},
                 "delete": {"summary": "purge one entry (the next request goes upstream)",
                            "parameters": [repository, _path("path", "the entry's key")],
-                           "responses": {**_ok("Purged"), **_errors("404")}},
+                           "responses": {**_ok("Purged"), **_errors("400", "404")}},
             },
             "/api/v1/packages": {
                 "get": {"summary": "a keyset page of a repository's packages",
@@ -255,7 +264,7 @@ def openapi_document() -> dict[str, Any]:
             "/api/v1/packages/{repository}/{package}": {
                 "get": {"summary": "a package's versions and files",
                         "parameters": [repository, _path("package", "e.g. requests")],
-                        "responses": {**_ok("Package"), **_errors("404")}},
+                        "responses": {**_ok("Package"), **_errors("400", "404")}},
                 "delete": {"summary": "purge every entry of a package, negative ones too",
                            "parameters": [repository, _path("package", "e.g. requests")],
                            "responses": {**_ok("Purged"), **_errors("400", "404")}},
@@ -266,7 +275,7 @@ def openapi_document() -> dict[str, Any]:
                     "requestBody": {"required": True, "content": {
                         JSON: {"schema": {"$ref": "#/components/schemas/MirrorRequest"}}}},
                     "responses": {**_ok("MirrorRunStarted", "202", "started"),
-                                  **_errors("400", "415")},
+                                  **_errors("400", "413", "415")},
                 }
             },
             "/api/v1/mirror-runs/{run_id}": {
