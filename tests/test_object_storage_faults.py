@@ -177,6 +177,31 @@ def test_wrong_credentials_or_a_missing_bucket_stop_the_start_naming_the_setting
     assert "Traceback" not in err
 
 
+def test_no_credentials_at_all_stop_the_start_at_once_saying_so(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    seaweedfs: SeaweedFS,
+    s3_bucket: str,
+    clean_env: dict[str, str],
+) -> None:
+    """No credentials anywhere in the chain is not an unreachable endpoint: it is said
+    at once (never retried as if the bucket were down), naming the credentials."""
+    env = {k: v for k, v in clean_env.items() if not k.startswith("AWS_")}
+    nowhere = tmp_path / "no-aws-files"
+    env.update(
+        HOME=str(nowhere),
+        AWS_CONFIG_FILE=str(nowhere / "config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(nowhere / "credentials"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    config = object_config(tmp_path, upstream, seaweedfs, s3_bucket)
+    status, err = serve_exits(config, env)
+    assert status == 1 and "storage.url" in err and "no AWS credentials" in err, err
+    assert "AWS_ACCESS_KEY_ID" in err
+    assert "cannot reach" not in err and "retrying" not in err, err
+    assert "Traceback" not in err
+
+
 def test_kill_9_during_the_upload_leaves_no_object_and_no_entry(
     tmp_path: Path,
     upstream: FakeUpstream,

@@ -81,6 +81,13 @@ MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound", "NoSuchUpload"})
 CREDENTIAL_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"}
 )
+# The credential chain found nothing to sign with: no request left the process, and no
+# retry will find any (a missing role or variable is not a bucket that is down).
+NO_CREDENTIALS = (
+    botocore.exceptions.NoCredentialsError,
+    botocore.exceptions.PartialCredentialsError,
+    botocore.exceptions.UnknownCredentialError,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,6 +400,8 @@ class Bucket:
                 if code not in RETRYABLE_CODES:
                     raise self.failure(operation, operation, exc) from exc
                 error: BaseException = exc
+            except NO_CREDENTIALS as exc:
+                raise self.failure(operation, operation, exc) from exc
             except (
                 aiohttp.ClientError,
                 botocore.exceptions.BotoCoreError,
@@ -415,6 +424,12 @@ class Bucket:
         code = _code(exc)
         metrics.STORAGE_ERRORS.labels(operation=operation, errno=code).inc()
         detail = _describe(exc)
+        if isinstance(exc, NO_CREDENTIALS):
+            return StorageError(
+                f"storage.url: {self.url}: {what}: no AWS credentials found ({detail}); set "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE with a shared "
+                "credentials file, or web identity (AWS_ROLE_ARN, AWS_WEB_IDENTITY_TOKEN_FILE)"
+            )
         if code in CREDENTIAL_CODES:
             return StorageError(
                 f"storage.url: {self.url}: {what}: access denied ({detail}); check the AWS "
@@ -448,6 +463,8 @@ def _code(exc: BaseException) -> str:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             return str(status or code or "error")
         return code
+    if isinstance(exc, NO_CREDENTIALS):
+        return "no_credentials"
     if isinstance(exc, TimeoutError | botocore.exceptions.ReadTimeoutError):
         return "timeout"
     if isinstance(exc, botocore.exceptions.ConnectTimeoutError):
