@@ -270,3 +270,107 @@ def test_an_object_gone_under_a_recorded_entry_is_fetched_again(
         assert answer.status_code == 200 and answer.content == body
     assert upstream.count(PATH) == 2
     assert seaweedfs.get(s3_bucket, blob_key(body)) == body
+
+
+def tier_path(tmp_path: Path, replica: str, body: bytes) -> Path:
+    sha = hashlib.sha256(body).hexdigest()
+    return tmp_path / f"local-{replica}" / "blobs" / sha[:2] / sha[2:4] / sha
+
+
+def unblock_fifo(path: Path) -> None:
+    """Let a reader blocked opening the FIFO at ``path`` go (so a failing test ends)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return  # nobody is reading it
+    os.close(fd)
+
+
+def test_a_local_copy_damaged_under_a_running_replica_is_read_from_the_bucket_again(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    seaweedfs: SeaweedFS,
+    s3_bucket: str,
+    start_proxy: ProxyFactory,
+) -> None:
+    """The local tier is a cache of the bucket: a copy truncated, or replaced by a
+    symlink, under a running replica is never served (short, or someone else's bytes
+    with the blob's ETag); it is dropped and the object read again, once."""
+    short, linked = os.urandom(2 * MiB), os.urandom(2 * MiB)
+    upstream.files["/releases/short.bin"] = short
+    upstream.files[PATH] = linked
+    a = start(start_proxy, tmp_path, upstream, seaweedfs, s3_bucket, "a")
+    files = (("/tools/short.bin", short), (URL, linked))
+    for url, body in files:
+        assert httpx.get(a.url + url).content == body
+        assert httpx.head(a.url + url).status_code == 200  # recorded
+    with tier_path(tmp_path, "a", short).open("r+b") as fh:
+        fh.truncate(len(short) // 2)
+    other = tmp_path / "other-bytes"
+    other.write_bytes(os.urandom(len(linked)))  # the same size: only the link tells
+    tier_path(tmp_path, "a", linked).unlink()
+    tier_path(tmp_path, "a", linked).symlink_to(other)
+    before = requests("get")
+    for url, body in files:
+        got = httpx.get(a.url + url, timeout=30)
+        assert got.status_code == 200 and got.content == body, url
+    assert requests("get") - before == 2, "each damaged copy is read from the bucket again"
+    for _url, body in files:
+        copy = tier_path(tmp_path, "a", body)
+        assert not copy.is_symlink() and copy.read_bytes() == body, "the copy is whole again"
+    before = requests()
+    for url, body in files:
+        assert httpx.get(a.url + url).content == body
+    assert requests() == before, "and serves again with no request"
+    assert upstream.count(PATH) == 1 and upstream.count("/releases/short.bin") == 1
+
+
+def test_a_local_cache_holding_junk_links_and_a_fifo_at_start_serves_only_the_blobs(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    seaweedfs: SeaweedFS,
+    s3_bucket: str,
+    start_proxy: ProxyFactory,
+) -> None:
+    """A replica started on a local_cache folder that holds what it never wrote there
+    (files of other names, a directory, a FIFO, a symlink and short files at blobs'
+    names) starts, never blocks on the FIFO, and serves every blob's own bytes: small
+    ones (read whole, kept in memory) and large ones (sent from the file) alike."""
+    names = {
+        "fifo": os.urandom(1000),
+        "link": os.urandom(MiB),
+        "short-small": os.urandom(100 * 1024),
+        "short-big": os.urandom(MiB),
+    }
+    for name, body in names.items():
+        upstream.files[f"/releases/{name}.bin"] = body
+    a = start(start_proxy, tmp_path, upstream, seaweedfs, s3_bucket, "a")
+    for name, body in names.items():
+        assert httpx.get(f"{a.url}/tools/{name}.bin").content == body
+        assert httpx.head(f"{a.url}/tools/{name}.bin").status_code == 200  # recorded
+    blobs = tmp_path / "local-b" / "blobs"
+    (blobs / "ab" / "cd").mkdir(parents=True)
+    (blobs / "ab" / "cd" / "not-a-blob").write_bytes(b"junk")
+    (blobs / "junk.txt").write_bytes(b"junk")
+    (blobs / "ab" / "cd" / ("ab" * 32)).mkdir()  # a directory named like a blob
+    for body in names.values():
+        tier_path(tmp_path, "b", body).parent.mkdir(parents=True, exist_ok=True)
+    fifo = tier_path(tmp_path, "b", names["fifo"])
+    os.mkfifo(fifo)
+    other = tmp_path / "other-bytes"
+    other.write_bytes(os.urandom(MiB))
+    tier_path(tmp_path, "b", names["link"]).symlink_to(other)
+    for name in ("short-small", "short-big"):
+        tier_path(tmp_path, "b", names[name]).write_bytes(names[name][:1000])
+    try:
+        b = start(start_proxy, tmp_path, upstream, seaweedfs, s3_bucket, "b")
+        for name, body in names.items():
+            got = httpx.get(f"{b.url}/tools/{name}.bin", timeout=10)
+            assert got.status_code == 200 and got.content == body, name
+    finally:
+        unblock_fifo(fifo)
+    for body in names.values():
+        copy = tier_path(tmp_path, "b", body)
+        assert copy.is_file() and not copy.is_symlink() and copy.read_bytes() == body
+    assert len(other.read_bytes()) == MiB, "the link's target was never written"
+    assert sum(upstream.count(f"/releases/{name}.bin") for name in names) == len(names)

@@ -132,12 +132,10 @@ class TierFills:
     async def source(self, sha256: str, size: int, content_type: str | None) -> Source:
         """A source of the stored blob from its first byte: the local copy, or the
         object as it arrives (``Fetcher``'s ``open_stored``)."""
-        path = self.storage.local_path(sha256)
-        if path is not None:
-            try:
-                return await SharedFile.open(path, content_type, size, self.tasks.spawn, True)
-            except FileNotFoundError:
-                self.storage.tier.forget(sha256)
+        fd = await self.storage.tier.open_copy(sha256, size)
+        if fd is not None:
+            path = self.storage.blob_path(sha256)
+            return SharedFile(fd, path, content_type, size, self.tasks.spawn, True)
         fill = await self.join(sha256, size)
         return fill.source()
 
@@ -184,19 +182,21 @@ class TierBody:
     def _local(self) -> str | None:
         return self.fills.storage.local_path(self.sha256)
 
-    def _gone(self) -> None:
-        self.fills.storage.tier.forget(self.sha256)
+    async def _copy(self) -> int | None:
+        """The local copy, checked (a regular file of the blob's size), or None."""
+        return await self.fills.storage.tier.open_copy(self.sha256, self.size)
 
     async def check(self) -> None:
         pass  # the catalog knows the size: a HEAD asks the bucket nothing
 
     async def read_all(self) -> bytes:
-        path = self._local()
-        if path is not None:
-            try:
-                return await run_blocking(_read_file, path)
-            except FileNotFoundError:
-                self._gone()
+        fd = await self._copy()
+        if fd is not None:
+            data = await run_blocking(_read_all_of, fd, self.size)
+            if len(data) == self.size:
+                return data
+            # Shrunk since it was opened: never kept in memory as the blob.
+            await self.fills.storage.tier.drop([self.sha256])
         fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
         source = fill.source()
         try:
@@ -212,9 +212,10 @@ class TierBody:
             source.close()
 
     async def complete_path(self) -> str:
-        path = self._local()
-        if path is not None:
-            return path
+        fd = await self._copy()
+        if fd is not None:
+            os.close(fd)  # a checked copy: its path is what is read next
+            return self.fills.storage.blob_path(self.sha256)
         fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
         assert fill.transfer is not None
         await fill.transfer.result()  # verified and kept (or raises)
@@ -224,22 +225,24 @@ class TierBody:
         return path
 
     async def open(self) -> int | Transfer:
-        path = self._local()
-        if path is not None:
-            try:
-                fd: int = await run_blocking(_open_file, path)
-                return fd
-            except FileNotFoundError:
-                self._gone()
+        fd = await self._copy()
+        if fd is not None:
+            return fd
         fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
         assert fill.transfer is not None
         return fill.transfer
 
 
-def _read_file(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
-
-
-def _open_file(path: str) -> int:
-    return os.open(path, os.O_RDONLY)
+def _read_all_of(fd: int, size: int) -> bytes:
+    """Up to ``size`` bytes of ``fd`` from its start, and close it."""
+    try:
+        chunks, got = [], 0
+        while got < size:
+            data = os.pread(fd, size - got, got)
+            if not data:
+                break
+            chunks.append(data)
+            got += len(data)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -22,11 +22,9 @@ every client is cut: two different byte streams are never spliced.
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import logging
 import os
-import stat
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,6 +33,7 @@ from proxy.catalog import Entry
 from proxy.exceptions import BodyChanged, ProxyError, ShuttingDown, TransferCut
 from proxy.fetch.download import Download
 from proxy.runtime.blocking import run_blocking
+from proxy.storage.blobs import open_regular as _open_regular
 
 log = logging.getLogger("proxy.transfer")
 
@@ -108,17 +107,6 @@ def _digest(fd: int, length: int) -> str:
         hasher.update(data)
         offset += len(data)
     return hasher.hexdigest()
-
-
-def _open_regular(path: str) -> int:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class LocalFile:

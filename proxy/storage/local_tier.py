@@ -13,13 +13,16 @@ evicted is fetched again by another that still listed it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 from collections import OrderedDict
 from pathlib import Path
 
+from proxy.exceptions import describe_os_error
 from proxy.runtime.blocking import run_blocking
-from proxy.storage.blobs import BlobStore, TempBlob, is_sha256
+from proxy.storage.blobs import BlobStore, TempBlob, is_sha256, open_regular
 
 log = logging.getLogger("proxy.storage.tier")
 
@@ -44,14 +47,16 @@ class LocalTier:
             files.prepare()
             removed = files.remove_stale_temps(now_s - STALE_TEMP_S)
             found = []
-            for sha, size, _mtime in files.iter_blobs():
+            for sha, _size, _mtime in files.iter_blobs():
                 if not is_sha256(sha):
                     continue
                 try:
-                    stat = os.stat(files.path(sha))
+                    info = os.lstat(files.path(sha))
                 except FileNotFoundError:
                     continue
-                found.append((max(stat.st_atime, stat.st_mtime), sha, size))
+                if not stat.S_ISREG(info.st_mode):
+                    continue  # never ours (a link, a FIFO): a fill replaces it
+                found.append((max(info.st_atime, info.st_mtime), sha, info.st_size))
             found.sort()
             return found, removed
 
@@ -74,6 +79,28 @@ class LocalTier:
             return None
         self._sizes.move_to_end(sha256)
         return self.files.path_str(sha256)
+
+    async def open_copy(self, sha256: str, size: int) -> int | None:
+        """A descriptor of the copy (the caller's to close), noting the access; None if
+        there is none here to serve. The copy must still be a regular file of the
+        blob's ``size``: one truncated, or replaced by a link or a FIFO, since it was
+        kept is dropped, and the object read again, rather than served short, from
+        elsewhere, or never (the bucket holds the blob; this is only a copy)."""
+        if sha256 not in self._sizes:
+            return None
+        self._sizes.move_to_end(sha256)
+        path = self.files.path_str(sha256)
+        try:
+            fd: int = await run_blocking(_open_copy, path, size)
+            return fd
+        except FileNotFoundError:
+            self.forget(sha256)  # evicted by another worker, or removed by hand
+        except OSError as exc:
+            log.warning(
+                "local tier: dropped %s, not a copy of the blob: %s", path, describe_os_error(exc)
+            )
+            await self.drop([sha256])
+        return None
 
     async def adopt(self, temp: TempBlob, sha256: str) -> None:
         """Keep a verified temp file as the copy of ``sha256`` (fsync, rename)."""
@@ -110,6 +137,18 @@ class LocalTier:
         if victims:
             await run_blocking(_unlink_all, victims)
             log.debug("local tier: evicted %d copies", len(victims))
+
+
+def _open_copy(path: str, size: int) -> int:
+    fd = open_regular(path)
+    try:
+        found = os.fstat(fd).st_size
+        if found != size:
+            raise OSError(errno.EINVAL, f"{found} bytes, the blob has {size}", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _unlink_all(paths: list[Path]) -> None:
