@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from proxy.fetch.relay import PROOF_HEADER, proof
-from proxy.upstream.ssrf import relay_url_problem
+from proxy.upstream.ssrf import relay_target, relay_url_problem
 from tests.processes import ProxyProcess
 from tests.test_fleet import Fleet, FleetStorage, fleet_config
 from tests.test_streaming import KEY, PATH, TOOLS, Pulled, pull
@@ -57,6 +57,32 @@ def test_relay_urls_are_checked_before_any_connection(url: str, problem: str | N
         assert found is None
     else:
         assert found is not None and found.startswith(problem), found
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:9091", None),
+        ("http://localhost:9091", None),
+        # Numbers the resolver reads as addresses (inet_aton): the metadata address...
+        ("http://2852039166:80", "2852039166 resolves to 169.254.169.254"),
+        ("http://0xa9fea9fe:80", "0xa9fea9fe resolves to 169.254.169.254"),
+        ("http://0251.0376.0251.0376:80", "0251.0376.0251.0376 resolves to 169.254.169.254"),
+        ("http://169.254.43518:80", "169.254.43518 resolves to 169.254.169.254"),
+        # ... and the unspecified one, which connects to this host.
+        ("http://0:9091", "0 resolves to 0.0.0.0"),
+        ("http://[64:ff9b::a9fe:a9fe]:80", "169.254.169.254 is no relay's address"),
+        ("http://no-such-relay.invalid:9091", "upstream no-such-relay.invalid cannot be"),
+    ],
+)
+def test_relay_names_are_resolved_and_pinned_before_any_connection(
+    url: str, problem: str | None
+) -> None:
+    target, found = asyncio.run(relay_target(url))
+    if problem is None:
+        assert found is None and target == "http://127.0.0.1:9091"
+    else:
+        assert target is None and found is not None and found.startswith(problem), found
 
 
 @pytest.fixture
@@ -156,7 +182,9 @@ def test_the_relay_serves_only_the_offered_download_to_its_token(
     assert holder.metric("proxy_relay_requests_total", result="forbidden") == 2
 
 
-@pytest.mark.parametrize("forgery", ["wrong token", "other fence", "arbitrary server", "metadata"])
+@pytest.mark.parametrize(
+    "forgery", ["wrong token", "other fence", "arbitrary server", "metadata", "metadata by number"]
+)
 def test_forged_relay_announcements_are_never_served(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, s3_fleet: Any, forgery: str
 ) -> None:
@@ -187,8 +215,10 @@ def test_forged_relay_announcements_are_never_served(
                 )
             elif forgery == "arbitrary server":
                 change, value = "stream_relay", upstream.base_url
-            else:
+            elif forgery == "metadata":
                 change, value = "stream_relay", "http://169.254.169.254:80"
+            else:
+                change, value = "stream_relay", "http://2852039166:80"  # the same, as a number
             await conn.execute(f"UPDATE fetch_leases SET {change} = $2 WHERE key = $1", KEY, value)
         finally:
             await conn.close()
@@ -213,7 +243,7 @@ def test_forged_relay_announcements_are_never_served(
     assert later.status_code == 200 and later.content == body
     log = waiter.log()
     assert "Traceback" not in log
-    if forgery == "metadata":
+    if forgery.startswith("metadata"):
         assert "ignoring a relay announcement" in log
         assert waiter.metric("proxy_relay_follows_total", result="refused") >= 1
     if forgery == "arbitrary server":

@@ -37,7 +37,7 @@ from proxy.fetch.transfer import Spawn, StoredBlob
 from proxy.fetch.transfer import _digest as file_digest
 from proxy.runtime import metrics
 from proxy.storage.blobs import BlobStore, TempBlob
-from proxy.upstream.ssrf import relay_url_problem
+from proxy.upstream.ssrf import relay_target
 
 log = logging.getLogger("proxy.relayed")
 
@@ -76,14 +76,14 @@ class RelayClient:
         announcement names no usable relay."""
         if stream.relay is None or not stream.token:
             return None
-        problem = relay_url_problem(stream.relay)
-        if problem is not None:
+        target, problem = await relay_target(stream.relay)
+        if target is None:
             metrics.RELAY_FOLLOWS.labels(result="refused").inc()
             log.warning("ignoring a relay announcement for %r: %s", stream.relay, problem)
             return None
         temp = await self.files.new_temp()
         metrics.RELAY_FOLLOWS.labels(result="started").inc()
-        return RelayedFile(self, temp, stream, fence, spawn)
+        return RelayedFile(self, temp, stream, fence, spawn, target)
 
 
 class RelayedFile:
@@ -92,15 +92,23 @@ class RelayedFile:
     page_cached = True  # our own file, just written: sendfile may serve it
 
     def __init__(
-        self, client: RelayClient, temp: TempBlob, stream: StreamInfo, fence: int, spawn: Spawn
+        self,
+        client: RelayClient,
+        temp: TempBlob,
+        stream: StreamInfo,
+        fence: int,
+        spawn: Spawn,
+        relay: str,
     ) -> None:
-        assert stream.relay is not None and stream.token is not None
+        """``relay``: the relay's URL as vetted (``ssrf.relay_target``: pinned to the
+        address that was checked)."""
+        assert stream.token is not None
         self.content_type = stream.content_type
         self.total = stream.length
         self.error: BaseException | None = None  # never: a relay that stops is "lost"
         self._client = client
         self._temp = temp
-        self._url = f"{stream.relay.rstrip('/')}{RELAY_PATH}{fence}"
+        self._url = f"{relay}{RELAY_PATH}{fence}"
         self._fence = fence
         self._token = stream.token
         self._fd: int | None = temp.reader_fd()

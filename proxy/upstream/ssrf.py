@@ -233,8 +233,37 @@ def relay_url_problem(url: str) -> str | None:
         address = ipaddress.ip_address(host)
     except ValueError:
         return None if _HOST_RE.match(host) else f"{host!r} is not a host name"
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    return _relay_address_problem(address)
+
+
+async def relay_target(url: str) -> tuple[str | None, str | None]:
+    """``(the URL to connect to, None)`` for a relay's ``url``, or ``(None, why not)``.
+    The name is resolved here and the URL pinned to the vetted address, like an
+    upstream's: a host written as a number (``2852039166``, ``0xa9fea9fe``, ``0``), which
+    the resolver reads as an address, or a name that resolves to one no relay can have,
+    is refused before any connection."""
+    problem = relay_url_problem(url)
+    if problem is not None:
+        return None, problem
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or 0
+    try:
+        addresses = await _resolve(host, port)
+    except UpstreamUnavailable as exc:
+        return None, str(exc)
+    for address in addresses:
+        problem = _relay_address_problem(address)
+        if problem is not None:
+            return None, f"{host} resolves to {address}: {problem}"
+    pinned = addresses[0]
+    literal = f"[{pinned}]" if pinned.version == 6 else str(pinned)
+    return f"http://{literal}:{port}", None
+
+
+def _relay_address_problem(address: IPAddress) -> str | None:
+    if address.is_loopback:  # ::1 first: it is also "IPv4-compatible" 0.0.0.1
+        return None
+    address = _embedded_ipv4(address) or address
     if (
         address.is_unspecified
         or address.is_multicast
