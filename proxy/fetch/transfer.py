@@ -33,9 +33,12 @@ from proxy.catalog import Entry
 from proxy.exceptions import BodyChanged, ProxyError, ShuttingDown, TransferCut
 from proxy.fetch.download import Download
 from proxy.runtime.blocking import run_blocking
-from proxy.storage.blobs import open_regular as _open_regular
+from proxy.storage import blobs
 
 log = logging.getLogger("proxy.transfer")
+
+# A module attribute, so that a test may slow the open down (tests/test_transfer_lifecycle.py).
+_open_regular = blobs.open_regular
 
 SHARED_POLL_S = 0.01  # how often a shared file's size is looked at while readers wait
 DIGEST_READ_BYTES = 1024 * 1024
