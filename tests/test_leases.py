@@ -467,6 +467,26 @@ async def test_a_listening_waiter_looks_when_the_lease_would_expire(pg_url: str)
 
 
 @pytest.mark.postgres
+async def test_a_notification_after_the_read_keeps_the_expiry_the_read_saw(pg_url: str) -> None:
+    # CI: the claim's notification arrived after the waiter's first read; it carries no
+    # expiry, and the waiter slept a whole pace (10 s) past the dead holder's 1 s lease.
+    catalog, waiter, tasks = await listening_waiter(pg_url)
+    try:
+        grant = await catalog.claim_lease("r/k", "dead-holder", 1.0)
+        assert grant is not None
+        waiting = asyncio.ensure_future(
+            waiter.wait("r", "k", lambda: catalog.get_entry("r", "k"), no_stream)
+        )
+        await until(lambda: catalog.reads >= 1, "the waiter did not look")
+        waiter.notify("r/k", LeaseRow("r/k", "dead-holder", grant.fence, "fetching", False))
+        result = await asyncio.wait_for(waiting, 6)
+        assert result.verdict is Verdict.TAKEOVER
+    finally:
+        await tasks.close(5)
+        await catalog.close()
+
+
+@pytest.mark.postgres
 async def test_waiters_poll_while_the_listener_is_cut_off_and_stop_when_it_is_back(
     pg_url: str, postgres_admin_url: str
 ) -> None:

@@ -360,7 +360,9 @@ def zip_bytes(payload: bytes, name: str = "payload.txt") -> bytes:
     the proxy's content check (docs/architecture.md, "Content checks before storing")."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr(name, payload)
+        # The entry's time is fixed, not the clock's: two calls a second apart must be
+        # the same archive.
+        archive.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), payload)
     return buffer.getvalue()
 
 

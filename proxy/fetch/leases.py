@@ -268,12 +268,18 @@ class LeaseCoordinator:
         try:
             row = await self.catalog.get_lease(lkey)
             seen = -1
+            # When the lease last read would expire unless renewed (monotonic). Kept
+            # across notifications, which carry no expiry: a holder that dies after
+            # announcing its stream is then looked for at its expiry, not a pace later.
+            deadline: float | None = None
             while row is not None and row.state == "fetching" and not row.expired:
                 seen = max(seen, row.fence)
+                if row.remaining_s is not None:
+                    deadline = self.clock.monotonic() + row.remaining_s
                 if row.stream is not None and row.fence != following:
                     following = row.fence
                     await on_stream(row.stream, row.fence)
-                row = await self._next(lkey, waiter, row, seen)
+                row = await self._next(lkey, waiter, seen, deadline)
             result = await self._outcome(row, find_entry)
             outcome = result.verdict.value
             return result
@@ -287,13 +293,17 @@ class LeaseCoordinator:
                 self.clock.monotonic() - started
             )
 
-    async def _next(self, lkey: str, waiter: _Waiter, row: LeaseRow, seen: int) -> LeaseRow | None:
+    async def _next(
+        self, lkey: str, waiter: _Waiter, seen: int, deadline: float | None
+    ) -> LeaseRow | None:
         """The live lease's next state: as a notification carried it, or read when the
-        pace says to look (or when the lease would expire, if it is not renewed)."""
+        pace says to look (or at ``deadline``, when the lease would expire unless it is
+        renewed)."""
         while True:
             delay_s = self.pace_s() * random.uniform(POLL_JITTER_MIN, 1.0)
-            if row.remaining_s is not None:
-                delay_s = min(delay_s, row.remaining_s + EXPIRY_MARGIN_S)
+            if deadline is not None:
+                until_expiry_s = max(deadline - self.clock.monotonic(), 0.0)
+                delay_s = min(delay_s, until_expiry_s + EXPIRY_MARGIN_S)
             try:
                 async with asyncio.timeout(delay_s):
                     await waiter.event.wait()

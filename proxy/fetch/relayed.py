@@ -22,6 +22,7 @@ what comes next (an entry, a takeover), as when a shared file stops growing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -224,8 +225,11 @@ class RelayedFile:
                     continue
                 if done:
                     return
-            await self._temp.flush()
         finally:
+            # However the copy stopped, what was handed to the file is counted before
+            # "ended": a reader told the relay has ended must see every byte received.
+            with contextlib.suppress(Exception):
+                await self._temp.flush()
             self.ended.set()
             self._announce()
 
