@@ -68,6 +68,25 @@ def test_embedded_defaults_on_loopback_open_the_console_read_only(
         assert httpx.get(proxy.url + "/api/v1/stats", headers=forwarded).status_code == 403
 
 
+def test_embedded_defaults_open_reads_only_to_a_loopback_host_name(
+    start_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    """DNS rebinding: a page of evil.example whose name the attacker then points at
+    127.0.0.1 makes the browser of this machine ask the console from a loopback
+    client, same-origin for that page, with Host: evil.example. Only a request that
+    names this machine (localhost, a loopback address) is a look on one's own machine."""
+    settings = load(None, {"PROXY_STORAGE_PATH": str(tmp_path / "data")})
+    proxy = start_proxy(settings)
+    port = proxy.url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", "LOCALHOST"):
+        page = httpx.get(proxy.url + "/ui/", headers={"host": host})
+        assert page.status_code == 200, host
+    for host in (f"evil.example:{port}", "evil.example", f"10.0.0.1:{port}", ""):
+        for path in ("/ui/", "/api/v1/stats", "/api/v1/entries?repository=pypi"):
+            refused = httpx.get(proxy.url + path, headers={"host": host})
+            assert refused.status_code == 403 and "admin.users" in refused.text, (host, path)
+
+
 def test_users_by_password_hash_and_token(
     tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:

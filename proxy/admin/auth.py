@@ -6,7 +6,8 @@ console, API and logs").
   (``Authorization: Bearer``), compared as SHA-256 digests in constant time.
 - **No users**: 403 naming ``admin.users``, except that with the embedded defaults on a
   loopback address the console's reads are open to this machine's own clients (a first
-  look on one's own machine; not what a reverse proxy forwards).
+  look on one's own machine; not what a reverse proxy forwards, nor a request naming
+  another host, as a DNS-rebinding page's does).
   ``admin.anonymous = "read"`` opens the reads to anyone; writes always need a user.
 - **Wrong credentials** are logged and throttled (``runtime.throttle``): a known user's
   wrong passwords lock that user, guesses of unknown names or tokens lock the client
@@ -76,6 +77,14 @@ def loopback(host: str) -> bool:
         return False
 
 
+def host_name(host: str) -> str:
+    """The name or address of a Host header's ``name[:port]`` or ``[v6][:port]``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
 class AdminAuth:
     def __init__(self, settings: Settings, throttle: FailureThrottle | None = None) -> None:
         self.admin = settings.admin
@@ -94,7 +103,12 @@ class AdminAuth:
         if not self.local_reads:
             return False
         client = request.client.host if request.client else ""
-        return loopback(client) and not any(h in request.headers for h in FORWARDING_HEADERS)
+        if not loopback(client) or any(h in request.headers for h in FORWARDING_HEADERS):
+            return False
+        # DNS rebinding: a page of another site whose name now resolves to 127.0.0.1
+        # reads the console through this machine's browser, same-origin for the page,
+        # but with that site's name as Host. A look on one's own machine names it.
+        return loopback(host_name(request.headers.get("host", "")))
 
     def caller(self, request: Request) -> Caller:
         """The caller of ``request``, or ``Refused``; writes are checked too."""
