@@ -265,6 +265,13 @@ def test_not_toml_and_missing_file(tmp_path: Path) -> None:
         load(bad, {})
     with pytest.raises(ConfigError, match="not found"):
         load(tmp_path / "absent.toml", {})
+    # A file saved in another encoding (Latin-1, UTF-16 with its byte-order mark) is
+    # a config error naming the file, not a UnicodeDecodeError traceback.
+    for name, data in (("latin1.toml", '# caf\xe9\n'.encode("latin-1")),
+                       ("utf16.toml", "[server]\n".encode("utf-16"))):  # fmt: skip
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=f"{name}: not UTF-8 text"):
+            load(tmp_path / name, {})
 
 
 def test_check_config_command(tmp_path: Path) -> None:

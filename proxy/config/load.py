@@ -146,6 +146,10 @@ def load(
             raise ConfigError([f"config file {source}: cannot be read ({exc.strerror})"]) from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"config file {source}: not valid TOML ({exc})"]) from exc
+        except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib does not say it politely
+            raise ConfigError(
+                [f"config file {source}: not UTF-8 text (byte {exc.start}); save it as UTF-8"]
+            ) from exc
     parser = _Parser(environ, needs)
     settings = parser.settings(raw, source)
     if parser.errors:
