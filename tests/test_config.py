@@ -435,3 +435,76 @@ def test_object_storage_settings_load_describe_and_are_documented(tmp_path: Path
     assert folder.object_storage is None and str(folder.storage_path) == "/srv/blobs"
     plain = load(None, {})
     assert plain.object_storage is None and str(plain.storage_path) == "data"  # make serve
+
+
+def test_an_endpoint_or_region_botocore_cannot_use_is_an_error_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    """An endpoint urlsplit refuses (an unclosed IPv6 bracket), a port out of range, a
+    query or fragment, or a region botocore refuses was a traceback (check-config, and
+    serve at start) or 10 s of retries reported as an unreachable endpoint."""
+
+    def errors(s3: str) -> list[str]:
+        body = f'[storage]\nurl = "s3://artifacts/"\nlocal_cache = "/c"\n[storage.s3]\n{s3}\n'
+        with pytest.raises(ConfigError) as raised:
+            load(write_config(tmp_path, body), {})
+        return raised.value.errors
+
+    for endpoint in (
+        "http://[::1",
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:x",
+        "http://127.0.0.1:8333/?token=t",
+        "http://127.0.0.1:8333/#f",
+    ):
+        [error] = errors(f"endpoint = {toml_string(endpoint)}")
+        assert error.startswith("storage.s3.endpoint: "), error
+    for region in ("../../x", "a b", "-x", ""):
+        [error] = errors(f"region = {toml_string(region)}")
+        assert error.startswith("storage.s3.region: "), error
+    # What botocore takes stays accepted: a path under the endpoint, an IPv6 host.
+    for endpoint in ("http://[::1]:8333", "https://s3.internal.example/storage"):
+        body = (
+            '[storage]\nurl = "s3://artifacts/"\nlocal_cache = "/c"\n'
+            f'[storage.s3]\nendpoint = {toml_string(endpoint)}\nregion = "eu-west-3"\n'
+        )
+        assert load(write_config(tmp_path, body), {}).object_storage is not None
+
+
+def test_an_aws_profile_or_region_from_the_environment_that_is_wrong_stops_the_start_in_one_line(
+    tmp_path: Path, clean_env: dict[str, str]
+) -> None:
+    """A missing AWS_PROFILE or an AWS_DEFAULT_REGION botocore refuses raised while the
+    S3 client was made: serve and check-config's storage check died with a traceback."""
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        url = "s3://artifacts/proxy/"
+        local_cache = "{tmp_path / "cache"}"
+        [storage.s3]
+        endpoint = "http://127.0.0.1:1"
+        """,
+    )
+    nowhere = tmp_path / "no-aws-files"
+    base = {k: v for k, v in clean_env.items() if not k.startswith("AWS_")}
+    base.update(
+        AWS_CONFIG_FILE=str(nowhere / "config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(nowhere / "credentials"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    keys = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    for extra, named in (
+        ({"AWS_PROFILE": "nope"}, "AWS_PROFILE"),
+        ({**keys, "AWS_DEFAULT_REGION": "a b"}, "AWS_DEFAULT_REGION"),
+    ):
+        argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config)]
+        argv += ["--listen", "127.0.0.1:0"]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, env={**base, **extra}, timeout=120
+        )
+        assert done.returncode == 1, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("cannot use the storage: ") and named in last, last
+        assert "retrying" not in done.stderr, done.stderr

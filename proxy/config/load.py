@@ -96,6 +96,28 @@ RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico", "ui",
 _REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _ENV_REF_RE = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+# What botocore accepts as a region (botocore.utils.validate_region_name); anything
+# else raised while the client was made, a traceback at start.
+_REGION_RE = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
+
+
+def _usable_endpoint(endpoint: str) -> bool:
+    """An S3 endpoint botocore can send to. urlsplit and its port raise on some (a
+    traceback at load); a query or fragment has no place in a URL keys are joined to."""
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # noqa: B018 (raises ValueError when out of range or not a number)
+    except ValueError:
+        return False
+    return (
+        parts.scheme in ("http", "https")
+        and bool(parts.hostname)
+        and not parts.username
+        and not parts.query
+        and not parts.fragment
+        and "?" not in endpoint
+        and "#" not in endpoint
+    )
 
 
 @dataclass(frozen=True)
@@ -179,7 +201,12 @@ def object_storage_target(
         raise ConfigError(parser.errors)
     target, _folder = parser.storage_url(table, "embedded defaults")
     if parser.errors or target is None:
-        raise ConfigError([e.replace("storage.url", "--to") for e in parser.errors])
+        flags = {"storage.url": "--to", "storage.s3.endpoint": "--endpoint"}
+        flags["storage.s3.region"] = "--region"
+        errors = parser.errors
+        for key, flag in flags.items():
+            errors = [e.replace(f"{key}:", f"{flag}:", 1) for e in errors]
+        raise ConfigError(errors)
     return target
 
 
@@ -565,14 +592,18 @@ class _Parser:
                     "never from the config)",
                 )
         endpoint = self.value(s3_table, "storage.s3", "endpoint", Text())
-        if endpoint is not None:
-            parts = urlsplit(endpoint)
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
-                self.error(
-                    "storage.s3.endpoint",
-                    f"{endpoint!r} is not an http:// or https:// URL without credentials "
-                    '(e.g. "http://127.0.0.1:8333")',
-                )
+        if endpoint is not None and not _usable_endpoint(endpoint):
+            self.error(
+                "storage.s3.endpoint",
+                f"{endpoint!r} is not an http:// or https:// URL without credentials, "
+                'query or fragment, with a port up to 65535 (e.g. "http://127.0.0.1:8333")',
+            )
+        region = self.value(s3_table, "storage.s3", "region", Text())
+        if region is not None and not _REGION_RE.match(region):
+            self.error(
+                "storage.s3.region",
+                f"{region!r} is not a region name: letters, digits and '-' (e.g. \"us-east-1\")",
+            )
         return (
             ObjectStorageSettings(
                 bucket=bucket,
@@ -580,7 +611,7 @@ class _Parser:
                 local_cache=local_path,
                 local_cache_max_size=max_size,
                 endpoint=endpoint.rstrip("/") if endpoint else None,
-                region=self.value(s3_table, "storage.s3", "region", Text()),
+                region=region,
                 path_style=self.value(s3_table, "storage.s3", "path_style", Flag(), False),
                 redirect_min_size=self.value(
                     s3_table, "storage.s3", "redirect_min_size", OptionalSize()

@@ -156,15 +156,26 @@ class Bucket:
             response_checksum_validation="when_required",
             tcp_keepalive=True,
         )
-        # The client loads its service model from disk: once, at start-up.
-        self._client = await self._stack.enter_async_context(
-            get_session().create_client(
-                "s3",
-                endpoint_url=self.settings.endpoint,
-                region_name=self.settings.region,
-                config=config,
+        # The client loads its service model from disk: once, at start-up. Making it
+        # reads the AWS environment and shared files, which the config cannot check.
+        try:
+            self._client = await self._stack.enter_async_context(
+                get_session().create_client(
+                    "s3",
+                    endpoint_url=self.settings.endpoint,
+                    region_name=self.settings.region,
+                    config=config,
+                )
             )
-        )
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise StorageError(f"AWS_PROFILE: {exc}") from exc
+        except botocore.exceptions.InvalidRegionError as exc:
+            raise StorageError(
+                f"storage.s3.region (or AWS_REGION, AWS_DEFAULT_REGION, the profile's "
+                f"region): {exc}"
+            ) from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise StorageError(f"storage.s3: cannot make the S3 client: {exc}") from exc
         # botocore asks for "100-continue" before an upload's body, and aiohttp waits
         # for it with no timeout of its own: a bucket that stops answering would hold
         # the upload forever. The header is not signed.
