@@ -209,7 +209,7 @@ async def test_postgres_lease_times_use_clock_timestamp(pg_url: str) -> None:
     try:
         async with conn.transaction():
             await conn.execute("SELECT pg_sleep(1.0)")
-            fence = await conn.fetchval(pg_sql["claim_lease"], "k", "a", 1.5, None, None, None)
+            fence = await conn.fetchval(pg_sql["claim_lease"], "k", "a", 1.5, *[None] * 5)
             assert fence is not None
             remaining = await conn.fetchval(
                 "SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM fetch_leases WHERE key = 'k'"
@@ -539,3 +539,64 @@ async def test_a_late_notification_of_an_earlier_mandate_changes_nothing(
     result = await asyncio.wait_for(waiting, 5)
     assert result.verdict is Verdict.FAILED and result.fence == second.fence
     await tasks.close(1)
+
+
+# -- a database clock that steps back (issue 18) -----------------------------------------
+
+
+async def test_a_lease_the_database_calls_live_but_nobody_renews_is_taken_over(
+    catalog: Catalog,
+) -> None:
+    # A holder killed just after the database's clock stepped back an hour: its lease
+    # "expires" an hour from now. Claimed here for an hour, which the database sees the
+    # same way. The waiter, whose TTL is 0.5 s, sees no renewal for a TTL by its own
+    # monotonic clock and takes over, at once, not an hour later.
+    dead = await catalog.claim_lease("r/k", "dead", 3600)
+    assert dead is not None
+    waiter, tasks = _coordinator(catalog, "b", ttl_s=0.5)
+    try:
+        result = await asyncio.wait_for(
+            waiter.wait("r", "k", lambda: catalog.get_entry("r", "k"), no_stream), 10
+        )
+        assert result.verdict is Verdict.TAKEOVER and result.fence == dead.fence
+        assert result.unrenewed is not None and result.unrenewed[0] == dead.fence
+        # Without the stamp the claim loses (the database calls the lease live) ...
+        assert await waiter.claim("r", "k", unless_stored=False) is None
+        # ... with it, it wins, and the dead mandate is over: it can renew nothing.
+        held = await waiter.claim("r", "k", unless_stored=False, unrenewed=result.unrenewed)
+        assert held is not None and held.fence > dead.fence
+        assert not await catalog.renew_lease(dead, 3600)
+        # A stamp is good once: it names a row that is no longer there.
+        assert await catalog.claim_lease("r/k", "c", 30, unrenewed=result.unrenewed) is None
+        await held.release("released")
+    finally:
+        await tasks.close(2)
+
+
+async def test_a_holder_that_renews_is_never_taken_over_for_want_of_a_renewal(
+    catalog: Catalog, clock: ManualClock
+) -> None:
+    holder, holder_tasks = _coordinator(catalog, "a", ttl_s=0.5)
+    waiter, tasks = _coordinator(catalog, "b", ttl_s=0.5)
+
+    async def tick() -> None:  # the SQLite and in-memory catalogs' clock moves too
+        for _ in range(500):
+            clock.advance(0.01)
+            await asyncio.sleep(0.01)
+
+    ticking = asyncio.ensure_future(tick())
+    try:
+        held = await holder.claim("r", "k")
+        assert held is not None
+        waiting = asyncio.ensure_future(
+            waiter.wait("r", "k", lambda: catalog.get_entry("r", "k"), no_stream)
+        )
+        await asyncio.sleep(2.0)  # four TTLs of renewals
+        assert not waiting.done(), "a holder that renews was taken over"
+        await held.release("released")
+        result = await asyncio.wait_for(waiting, 10)
+        assert result.verdict is Verdict.TAKEOVER and result.unrenewed is None
+    finally:
+        ticking.cancel()
+        await holder_tasks.close(2)
+        await tasks.close(2)

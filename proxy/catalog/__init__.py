@@ -110,7 +110,9 @@ class StreamInfo:
 class LeaseRow:
     """A lease as the database sees it; ``expired`` is judged by the database's clock,
     and so is ``remaining_s``, how long until it expires unless renewed (None: not
-    known, as in a notification)."""
+    known, as in a notification). ``renewed`` stamps the row's last claim or renewal on
+    the database's clock; it is only ever compared for equality (None: not known), so a
+    waiter can tell "not renewed since I first saw it" by its own monotonic clock."""
 
     key: str
     holder: str
@@ -119,6 +121,7 @@ class LeaseRow:
     expired: bool
     stream: StreamInfo | None = None
     remaining_s: float | None = None
+    renewed: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,8 +347,12 @@ class Catalog(Protocol):
         holder: str,
         ttl_s: float,
         unless_fresh: tuple[str, str, int] | None = None,
+        unrenewed: tuple[int, float] | None = None,
     ) -> LeaseGrant | None:
-        """One atomic claim: wins if the row is absent, expired, not 'fetching', or ours.
+        """One atomic claim: wins if the row is absent, expired, not 'fetching', ours,
+        or still the row ``unrenewed`` = ``(fence, renewed)`` names: one the caller saw go
+        unrenewed for a whole TTL by its own monotonic clock, whatever the database's
+        clock says (docs/architecture.md, "Fetch leases": a clock that steps back).
 
         The fence comes from a global sequence, so it grows on every claim (re-entrant
         ones too) and stays monotonic after old rows are purged. Returns None if another

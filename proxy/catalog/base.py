@@ -201,8 +201,10 @@ class SqlCatalog:
         holder: str,
         ttl_s: float,
         unless_fresh: tuple[str, str, int] | None = None,
+        unrenewed: tuple[int, float] | None = None,
     ) -> LeaseGrant | None:
         repository, entry_key, now_ms = unless_fresh or (None, None, None)
+        fence, renewed = unrenewed or (None, None)
         row = await self._write_returning(
             "claim_lease",
             key,
@@ -211,6 +213,8 @@ class SqlCatalog:
             repository,
             entry_key,
             now_ms,
+            fence,
+            renewed,
             prelude=self.CLAIM_PRELUDE,
         )
         return LeaseGrant(key=key, holder=holder, fence=int(row["fence"])) if row else None
@@ -266,6 +270,7 @@ class SqlCatalog:
             expired=bool(row["expired"]),
             stream=stream,
             remaining_s=float(row["remaining_s"]),
+            renewed=float(row["renewed"]),
         )
 
     async def purge_leases(self, retention_s: float) -> int:

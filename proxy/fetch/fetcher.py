@@ -267,9 +267,12 @@ class Fetcher:
             await self._download(miss, stale, flight, held=None)
             return
         took_over = False
+        unrenewed: tuple[int, float] | None = None
         while True:
             # The first claim refuses a key stored since our lookup: the wait finds it.
-            held = await self.leases.claim(miss.repository, miss.key, unless_stored=not took_over)
+            held = await self.leases.claim(
+                miss.repository, miss.key, unless_stored=not took_over, unrenewed=unrenewed
+            )
             if held is not None:
                 held.progress = flight.progress
                 if took_over:
@@ -315,6 +318,7 @@ class Fetcher:
             if flight.transfer is not None:
                 flight.transfer.lost()  # our clients wait for the next download
             took_over = True
+            unrenewed = result.unrenewed
 
     async def _conclude(self, miss: Miss, flight: _Flight) -> None:
         """End the transfer our clients read in agreement with what the fetch came to,

@@ -69,6 +69,9 @@ class WaitResult:
     verdict: Verdict
     entry: Entry | None = None
     fence: int | None = None
+    # A takeover of a lease the database still calls live: (fence, renewal stamp) of the
+    # row this waiter saw go unrenewed for a whole TTL (LeaseCoordinator.claim).
+    unrenewed: tuple[int, float] | None = None
 
 
 @dataclass(eq=False)
@@ -212,7 +215,11 @@ class LeaseCoordinator:
         self.listening = False
 
     async def claim(
-        self, repository: str, key: str, unless_stored: bool = True
+        self,
+        repository: str,
+        key: str,
+        unless_stored: bool = True,
+        unrenewed: tuple[int, float] | None = None,
     ) -> HeldLease | None:
         """Our mandate on the key, or None: another holder's live lease stands, or (with
         ``unless_stored``) the entry is stored and fresh by its stored expiry, as after
@@ -220,12 +227,17 @@ class LeaseCoordinator:
         finds the entry. A caller that has just found no fresh entry by its own
         judgment (a wait that ended in a takeover) claims without ``unless_stored``: an
         entry that the stored expiry calls fresh and the current TTLs do not
-        (``fetch.fetcher.under_current_ttl``) must not keep it from ever claiming."""
+        (``fetch.fetcher.under_current_ttl``) must not keep it from ever claiming.
+        ``unrenewed``: the row a wait saw go unrenewed for a TTL (``WaitResult``)."""
         sent_at = self.clock.monotonic()
         unless_fresh = (repository, key, self.clock.now_ms()) if unless_stored else None
         claiming = asyncio.ensure_future(
             self.catalog.claim_lease(
-                lease_key(repository, key), self.holder, self.ttl_s, unless_fresh=unless_fresh
+                lease_key(repository, key),
+                self.holder,
+                self.ttl_s,
+                unless_fresh=unless_fresh,
+                unrenewed=unrenewed,
             )
         )
         try:
@@ -272,14 +284,40 @@ class LeaseCoordinator:
             # across notifications, which carry no expiry: a holder that dies after
             # announcing its stream is then looked for at its expiry, not a pace later.
             deadline: float | None = None
+            # The row's (fence, renewal stamp) as last read, and since when (monotonic)
+            # it has stood unchanged: a holder that has not renewed for a whole TTL by
+            # our own clock is dead, whatever the database's clock says of its expiry
+            # (docs/architecture.md, "Fetch leases": a clock that steps back).
+            watched: tuple[int, float] | None = None
+            watched_since = started
             while row is not None and row.state == "fetching" and not row.expired:
                 seen = max(seen, row.fence)
+                now = self.clock.monotonic()
                 if row.remaining_s is not None:
-                    deadline = self.clock.monotonic() + row.remaining_s
+                    deadline = now + row.remaining_s
+                if row.renewed is not None:
+                    stamp = (row.fence, row.renewed)
+                    if stamp != watched:
+                        watched, watched_since = stamp, now
+                    elif now - watched_since > self.ttl_s + EXPIRY_MARGIN_S:
+                        log.warning(
+                            "lease %s: fence %d not renewed for %.0f s by this replica's"
+                            " clock though the database calls it live (its clock stepped"
+                            " back?): taking it over",
+                            lkey,
+                            row.fence,
+                            now - watched_since,
+                        )
+                        outcome = Verdict.TAKEOVER.value
+                        return WaitResult(Verdict.TAKEOVER, fence=row.fence, unrenewed=stamp)
                 if row.stream is not None and row.fence != following:
                     following = row.fence
                     await on_stream(row.stream, row.fence)
-                row = await self._next(lkey, waiter, seen, deadline)
+                # Look again when it would expire, or when it will have gone a TTL
+                # unrenewed, whichever comes first.
+                unrenewed_by = watched_since + self.ttl_s + 2 * EXPIRY_MARGIN_S
+                look_at = unrenewed_by if deadline is None else min(deadline, unrenewed_by)
+                row = await self._next(lkey, waiter, seen, look_at)
             result = await self._outcome(row, find_entry)
             outcome = result.verdict.value
             return result

@@ -302,6 +302,7 @@ class MemoryCatalog:
         holder: str,
         ttl_s: float,
         unless_fresh: tuple[str, str, int] | None = None,
+        unrenewed: tuple[int, float] | None = None,
     ) -> LeaseGrant | None:
         await self._enter("claim_lease")
         now = self._now()
@@ -311,6 +312,7 @@ class MemoryCatalog:
             and row.holder != holder
             and row.state == "fetching"
             and row.expires_at > now
+            and unrenewed != (row.fence, float(row.renewed_at))
         ):
             return None
         if unless_fresh is not None:
@@ -380,7 +382,16 @@ class MemoryCatalog:
             return None
         expired = row.expires_at <= self._now()
         remaining_s = max(row.expires_at - self._now(), 0) / 1000
-        return LeaseRow(key, row.holder, row.fence, row.state, expired, row.stream, remaining_s)
+        return LeaseRow(
+            key,
+            row.holder,
+            row.fence,
+            row.state,
+            expired,
+            row.stream,
+            remaining_s,
+            float(row.renewed_at),
+        )
 
     async def purge_leases(self, retention_s: float) -> int:
         await self._enter("purge_leases")

@@ -155,8 +155,11 @@ ON CONFLICT (repository, key) DO UPDATE SET
 SELECT repository, key, url, digests::text, size FROM links WHERE repository = $1 AND key = $2
 
 -- name: claim_lease
--- ($1 key, $2 holder, $3 ttl seconds, $4 repository, $5 entry key, $6 now ms). Wins if the
--- row is absent, expired, not 'fetching', or ours, unless ($4 given) the entry ($4, $5)
+-- ($1 key, $2 holder, $3 ttl seconds, $4 repository, $5 entry key, $6 now ms, $7 fence
+-- and $8 renewal stamp of a row the claimant watched go unrenewed for a whole TTL by its
+-- own monotonic clock, or NULL). Wins if the row is absent, expired, not 'fetching',
+-- ours, or still exactly the row watched (a clock that stepped back keeps a dead
+-- holder's lease "live" for as long as it stepped), unless ($4 given) the entry ($4, $5)
 -- is stored and fresh at $6: a claim that comes after the holder stored it gets nothing,
 -- and the waiter finds the entry. A claim that loses writes nothing (no row lock, no
 -- transaction ID): the UPDATE matches no row, and the INSERT is not tried while a row
@@ -178,7 +181,8 @@ WITH fresh AS (
         stream_relay = NULL, stream_token = NULL
     FROM fresh
     WHERE l.key = $1 AND NOT fresh.stored
-      AND (l.holder = $2 OR l.state <> 'fetching' OR l.expires_at <= clock_timestamp())
+      AND (l.holder = $2 OR l.state <> 'fetching' OR l.expires_at <= clock_timestamp()
+           OR (l.fence = $7::bigint AND extract(epoch FROM l.renewed_at)::float8 = $8::float8))
     RETURNING l.fence
 ), inserted AS (
     INSERT INTO fetch_leases (key, holder, fence, state, acquired_at, renewed_at, expires_at)
@@ -214,10 +218,12 @@ UPDATE fetch_leases SET stream_file = $4, stream_type = $5, stream_length = $6,
 WHERE key = $1 AND holder = $2 AND fence = $3 AND state = 'fetching'
 
 -- name: select_lease
--- remaining_s: seconds until the lease expires unless renewed (0 once expired).
+-- remaining_s: seconds until the lease expires unless renewed (0 once expired);
+-- renewed: the stamp of its last claim or renewal, compared only for equality.
 SELECT key, holder, fence, state, expires_at <= clock_timestamp() AS expired,
        stream_file, stream_type, stream_length, stream_relay, stream_token,
-       greatest(extract(epoch FROM expires_at - clock_timestamp()), 0)::float8 AS remaining_s
+       greatest(extract(epoch FROM expires_at - clock_timestamp()), 0)::float8 AS remaining_s,
+       extract(epoch FROM renewed_at)::float8 AS renewed
 FROM fetch_leases WHERE key = $1
 
 -- name: purge_leases

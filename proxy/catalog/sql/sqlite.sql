@@ -153,8 +153,9 @@ INSERT INTO lease_fences DEFAULT VALUES
 DELETE FROM lease_fences WHERE id < (SELECT max(id) FROM lease_fences)
 
 -- name: claim_lease
--- (?1 key, ?2 holder, ?3 ttl seconds, ?4 repository, ?5 entry key, ?6 now ms); the fence
--- is the one next_fence just allocated. Refused while the entry (?4, ?5) is stored and
+-- (?1 key, ?2 holder, ?3 ttl seconds, ?4 repository, ?5 entry key, ?6 now ms, ?7 fence
+-- and ?8 renewal stamp of a row watched unrenewed for a TTL, or NULL: see postgres.sql);
+-- the fence is the one next_fence just allocated. Refused while the entry (?4, ?5) is stored and
 -- fresh at ?6 (?4 given), as in postgres.sql; the write lock makes all of it one step.
 INSERT INTO fetch_leases (key, holder, fence, state, acquired_at, renewed_at, expires_at)
 SELECT ?1, ?2, (SELECT max(id) FROM lease_fences), 'fetching',
@@ -173,6 +174,7 @@ ON CONFLICT (key) DO UPDATE SET
 WHERE fetch_leases.holder = excluded.holder
    OR fetch_leases.state <> 'fetching'
    OR fetch_leases.expires_at <= clock_ms()
+   OR (fetch_leases.fence = ?7 AND fetch_leases.renewed_at = ?8)
 RETURNING fence
 
 -- name: renew_lease
@@ -200,7 +202,8 @@ WHERE key = ?1 AND holder = ?2 AND fence = ?3 AND state = 'fetching'
 -- remaining_s: seconds until the lease expires unless renewed (0 once expired).
 SELECT key, holder, fence, state, expires_at <= clock_ms() AS expired,
        stream_file, stream_type, stream_length, stream_relay, stream_token,
-       max(expires_at - clock_ms(), 0) / 1000.0 AS remaining_s
+       max(expires_at - clock_ms(), 0) / 1000.0 AS remaining_s,
+       renewed_at AS renewed
 FROM fetch_leases WHERE key = ?1
 
 -- name: purge_leases
