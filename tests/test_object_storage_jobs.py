@@ -78,7 +78,9 @@ def test_purge_deletes_objects_in_batches_after_the_grace_and_reclaim_removes_le
 
     async def start_upload() -> None:  # a multipart upload a crash left behind
         async with seaweedfs.client() as s3:
-            await s3.create_multipart_upload(Bucket=s3_bucket, Key="proxy/blobs/ab/cd/" + "e" * 64)
+            await s3.create_multipart_upload(
+                Bucket=s3_bucket, Key="proxy/blobs/ab/cd/abcd" + "e" * 60
+            )
 
     asyncio.run(start_upload())
 
@@ -237,3 +239,31 @@ def test_proxy_gc_on_object_storage_lists_the_bucket_and_removes_nothing_young(
     )  # fmt: skip
     assert wrong.returncode == 1 and "access denied" in wrong.stderr, wrong.stderr
     assert "Traceback" not in wrong.stderr
+
+
+def test_reclaim_aborts_only_the_proxys_own_unfinished_uploads(
+    tmp_path: Path, upstream: FakeUpstream, seaweedfs: SeaweedFS, s3_bucket: str
+) -> None:
+    """The reclaim job aborted every multipart upload under the prefix that was a day
+    old, also another writer's beside the blobs (a backup streamed into the same bucket
+    and prefix), while orphan removal touches only keys of the blobs' own form."""
+    clock = ManualClock()
+    ours = "proxy/blobs/ab/cd/abcd" + "e" * 60
+    others = ["proxy/exports/backup.tar", "proxy/blobs/not-a-blob", "proxy/blobsy/x"]
+
+    async def start_uploads() -> None:
+        async with seaweedfs.client() as s3:
+            for key in [ours, *others]:
+                await s3.create_multipart_upload(Bucket=s3_bucket, Key=key)
+
+    asyncio.run(start_uploads())
+
+    async def scenario() -> None:
+        async with engine_on_s3(tmp_path, upstream, seaweedfs, s3_bucket, clock) as engine:
+            clock.advance(2 * DAY_S)
+            summary = await job(engine, "reclaim").run()
+            assert "1 temp files and unfinished uploads" in summary, summary
+            left = await asyncio.to_thread(seaweedfs.uploads, s3_bucket)
+            assert sorted(left) == sorted(others)
+
+    asyncio.run(scenario())

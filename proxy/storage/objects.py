@@ -121,9 +121,8 @@ class ObjectStorage:
         async for page in self.bucket.list_objects("blobs/"):
             names = []
             for item in page:
-                sha = item.key.rpartition("/")[2]
-                ours = is_sha256(sha) and item.key == self.bucket.key(sha)
-                if ours and item.modified_s < cutoff_s:
+                sha = self._blob_named(item.key)
+                if sha is not None and item.modified_s < cutoff_s:
                     names.append(sha)
             if names:
                 yield names
@@ -132,12 +131,19 @@ class ObjectStorage:
         temps = await self.tier.files.remove_leftovers(before_s)
         aborted = 0
         for upload in await self.bucket.uploads():
-            if upload.initiated_s < before_s:
+            # Only uploads to a blob's key are ours: another writer may stream into the
+            # same bucket and prefix.
+            if upload.initiated_s < before_s and self._blob_named(upload.key) is not None:
                 await self.bucket.abort(upload.key, upload.upload_id)
                 aborted += 1
         if aborted:
             log.info("aborted %d multipart uploads left by crashed writers", aborted)
         return temps + aborted
+
+    def _blob_named(self, key: str) -> str | None:
+        """The sha256 of the blob whose object ``key`` is, or None: not a key we write."""
+        sha = key.rpartition("/")[2]
+        return sha if is_sha256(sha) and key == self.bucket.key(sha) else None
 
     async def problems(self, min_free: int) -> list[str]:
         found = await self.tier.files.problems(min_free)

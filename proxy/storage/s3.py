@@ -341,12 +341,12 @@ class Bucket:
                 return
 
     async def uploads(self) -> list[PendingUpload]:
-        """Multipart uploads in progress under our prefix (all pages)."""
+        """Multipart uploads in progress under the blobs' prefix (all pages)."""
         found: list[PendingUpload] = []
         key_marker: str | None = None
         id_marker: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": self.name, "Prefix": self.prefix}
+            kwargs: dict[str, Any] = {"Bucket": self.name, "Prefix": self.blobs_prefix}
             if key_marker:
                 kwargs["KeyMarker"] = key_marker
                 if id_marker:
