@@ -357,10 +357,15 @@ async def _gc(settings: Settings) -> int:
     from proxy.jobs.reclaim import Reclaim
     from proxy.storage.store import open_storage
 
+    # A catalog made now would name no blob, and gc deletes the blobs no entry names:
+    # a database.url with a typo (or an empty database) beside the real store emptied it.
+    missing = await _no_catalog(settings, current=True)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
     catalog = open_catalog(settings.database_url, connections=settings.database)
     storage = open_storage(settings)
     try:
-        await catalog.migrate()
         await storage.start()
         reclaim = Reclaim(catalog, storage, SYSTEM_CLOCK, settings.leases.retention_s)
         summary = await reclaim.run()
@@ -378,9 +383,10 @@ async def _gc(settings: Settings) -> int:
 
 
 async def _no_catalog(settings: Settings, current: bool = False) -> str | None:
-    """Why a read-only command has nothing to read, or None. ``stats`` and ``jobs`` never
-    create a catalog: run in the wrong folder or on the wrong database, they must say
-    so, not report zeros. ``current``: the schema must be today's too (``jobs`` opens
+    """Why a command that reads the catalog has nothing to read, or None. ``stats``,
+    ``jobs`` and ``gc`` never create a catalog: run in the wrong folder or on the wrong
+    database, they must say so, not report zeros (nor, for gc, take every blob for an
+    orphan). ``current``: the schema must be today's too (``jobs`` opens
     the engine, which would apply the migrations a fleet has not applied yet)."""
     from proxy.catalog import open_catalog, sqlite_path
     from proxy.exceptions import CatalogError

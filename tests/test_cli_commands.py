@@ -81,6 +81,28 @@ def test_stats_never_creates_a_catalog(tmp_path: Path) -> None:
     assert not (tmp_path / "data").exists()
 
 
+def test_gc_without_a_catalog_deletes_nothing(tmp_path: Path) -> None:
+    """A database.url that names no catalog (a typo, an empty Postgres database) beside
+    the real store: every blob is named by no entry there. gc created that catalog and
+    deleted every blob older than a day as an orphan."""
+    store = tmp_path / "store"
+    env = {"PROXY_STORAGE_PATH": str(store)}
+    assert run(tmp_path, "migrate", env=env).returncode == 0
+    sha256 = "ab" * 32
+    blob = store / "blobs" / sha256[:2] / sha256[2:4] / sha256
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(b"a file a client downloaded last week")
+    week_ago = blob.stat().st_mtime - 7 * 86400
+    os.utime(blob, (week_ago, week_ago))
+    typo = tmp_path / "prxy.db"
+    done = run(tmp_path, "gc", env={**env, "PROXY_DATABASE_URL": f"sqlite:///{typo}"})
+    assert done.returncode == 1 and "no catalog" in done.stderr, (done.stdout, done.stderr)
+    assert blob.exists() and not typo.exists()
+    # With its catalog, gc does its work (the blob is an orphan there too).
+    assert run(tmp_path, "gc", env=env).returncode == 0
+    assert not blob.exists()
+
+
 def test_stats_and_jobs_create_no_catalog_in_an_empty_postgres_database(
     tmp_path: Path, pg_url: str
 ) -> None:
