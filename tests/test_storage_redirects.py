@@ -78,6 +78,43 @@ def test_a_hit_on_a_large_blob_is_a_short_lived_redirect_to_the_bucket(
     assert httpx.get(proxy.url + "/tools/small.bin").status_code == 200  # under the size
 
 
+def test_a_conditional_get_on_a_large_blob_is_answered_here_by_the_entrys_validators(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    seaweedfs: SeaweedFS,
+    s3_bucket: str,
+    start_proxy: ProxyFactory,
+) -> None:
+    """A revalidation with the ETag or date the proxy gave was redirected to the bucket,
+    whose validators are not ours: a 200 with the whole file instead of a 304, and an
+    If-Range resume restarted from the first byte."""
+    upstream.files["/releases/big.bin"] = big = bytes(range(256)) * 40
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        {storage_keys(tmp_path, seaweedfs, s3_bucket)}
+        [[repositories]]
+        name = "tools"
+        format = "raw"
+        upstream = "{upstream.base_url}/releases/"
+        """,
+    )
+    proxy = start_proxy(load(config, {}))
+    url = proxy.url + "/tools/big.bin"
+    assert httpx.get(url, follow_redirects=True).content == big
+    head = httpx.head(url)
+    etag, modified = head.headers["etag"], head.headers["last-modified"]
+    for condition in ({"if-none-match": etag}, {"if-modified-since": modified}):
+        answer = httpx.get(url, headers=condition)
+        assert answer.status_code == 304 and answer.content == b"", (condition, answer)
+    resumed = httpx.get(url, headers={"range": "bytes=100-", "if-range": etag})
+    assert resumed.status_code == 206 and resumed.content == big[100:]
+    changed = httpx.get(url, headers={"if-none-match": '"another"'}, follow_redirects=True)
+    assert changed.status_code == 200 and changed.content == big
+    assert httpx.get(url).status_code == 307  # a plain GET still goes to the bucket
+
+
 @pytest.fixture
 def redirecting_pypi(
     tmp_path: Path,

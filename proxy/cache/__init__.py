@@ -30,6 +30,8 @@ from proxy.types import Kind
 log = logging.getLogger("proxy.cache")
 
 TOMBSTONE_BATCH = 10_000
+# Requests a redirect to the bucket would answer by the object's validators, not ours.
+CONDITIONAL_HEADERS = ("if-none-match", "if-modified-since", "if-unmodified-since", "if-range")
 # A blob file younger than this is never deleted by the tombstone purge: it was just
 # published again by a fetch whose entry is about to be recorded (if none is, reclaim
 # removes the orphan later). The object store has no such cheap look at an object's age
@@ -194,6 +196,9 @@ class Cache:
             and entry.size >= self.redirect_min_size
             and entry.kind is Kind.IMMUTABLE  # never a page: its headers are ours
             and request.method == "GET"
+            # A conditional request is judged here: the bucket's ETag and date are not
+            # the ones we gave (a revalidation would get the whole file, not a 304).
+            and not any(name in request.headers for name in CONDITIONAL_HEADERS)
         ):
             url = await self.storage.redirect(entry.sha256, entry.size)
             if url is not None:
