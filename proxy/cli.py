@@ -47,8 +47,8 @@ NEEDS: dict[str, tuple[frozenset[str] | None, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="proxy",
-        description="A pull-through caching proxy for PyPI, Maven, the Gradle build cache "
-        "and raw files. Run `proxy COMMAND --help` for a command's options.",
+        description="A pull-through caching proxy for PyPI, Maven, npm, the Gradle build "
+        "cache and raw files. Run `proxy COMMAND --help` for a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"proxy {__version__}")
     config = argparse.ArgumentParser(add_help=False)

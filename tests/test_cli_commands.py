@@ -36,6 +36,8 @@ def test_proxy_alone_prints_help(tmp_path: Path) -> None:
     done = run(tmp_path)
     assert done.returncode == 0, done.stderr
     assert "usage: proxy" in done.stdout
+    for ecosystem in ("PyPI", "Maven", "npm", "Gradle build cache", "raw files"):
+        assert ecosystem in " ".join(done.stdout.split()), ecosystem
     for command in COMMANDS:
         assert command in done.stdout
 
