@@ -369,6 +369,12 @@ def test_bad_input_gets_a_clear_error(proxied: str) -> None:
             (api_client.get("/api/v1/nothing"), 404, "openapi.json"),
             (api_client.get("/api/v1/entries/pypi/files/none"), 404, "no entry"),
             (api_client.get("/api/v1/packages/pypi/none"), 404, "nothing of package"),
+            # A percent-encoded newline is a character like any other: answered by the
+            # API in JSON (the router's regex did not match it: Starlette's plain text
+            # "Not Found").
+            (api_client.get("/api/v1/entries/pypi/files/a%0Ab"), 404, "no entry"),
+            (api_client.get("/api/v1/packages/pypi/a%0D%0Ab"), 404, "nothing of package"),
+            (api_client.get("/api/v1/%0A"), 404, "openapi.json"),
         ]
         for response, status, message in cases:
             assert response.status_code == status, (response.request.url, response.text)

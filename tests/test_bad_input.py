@@ -27,6 +27,9 @@ def _project(upstream: FakeUpstream) -> None:
         "/pypi/simple//alpha/",
         "/pypi/files/alpha/a%00b",
         "/pypi/files/alpha/%ff%fe",
+        "/pypi/files/alpha/a%0Ab",
+        "/pypi/simple/a%0D%0A/",
+        "/pypi/%0A",
     ],
 )
 def test_traversal_and_odd_segments_are_400(

@@ -339,6 +339,7 @@ async def test_dist_tags_and_version_documents(tmp_path: Path) -> None:
         ("GET", "/npm/@acme%2F..", 400, "not allowed"),
         ("GET", "/npm/@acme%2Futil%2Fx", 400, "not allowed"),
         ("GET", "/npm/@acme%2F%00", 400, "not allowed"),
+        ("GET", "/npm/left%0Apad", 400, "not allowed"),  # JSON, as every other error
         ("GET", "/npm/Bad%20Name", 400, "not an npm package name"),
         ("GET", "/npm/left-pad/a/b", 404, "no such npm registry path"),
     ],
