@@ -5,12 +5,16 @@
 
 The address is PROXY_LISTEN (HOST:PORT, read now, so a changed listen address is
 followed); a wildcard host (0.0.0.0, ::, empty) is checked on the loopback address.
-Exit 0 when the answer is 200, else 1 with the reason on stderr. Standard library only.
+Where the connection gets no HTTP answer (a listener with ``server.tls_cert`` hangs up
+on plain HTTP), the same URL is asked in HTTPS. Exit 0 when the answer is 200, else 1
+with the reason on stderr. Standard library only.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -28,15 +32,34 @@ def url_for(listen: str, path: str) -> str:
     return f"http://{host}:{port or '8080'}{path}"
 
 
+def status_of(url: str) -> int:
+    """The answer's status; ``OSError`` (or ``http.client.HTTPException``) if none."""
+    # An HTTPS listener (server.tls_cert) is this process's own: its certificate names
+    # the public host, not the loopback address asked, so it is not verified here.
+    context = None
+    if url.startswith("https:"):
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S, context=context) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def main(argv: list[str]) -> int:
     path = argv[1] if len(argv) > 1 else "/healthz"
     url = url_for(os.environ.get("PROXY_LISTEN") or "127.0.0.1:8080", path)
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
-            status = response.status
-    except urllib.error.HTTPError as exc:
-        status = exc.code
-    except (OSError, ValueError) as exc:
+        try:
+            status = status_of(url)
+        except (ConnectionResetError, http.client.HTTPException):
+            # Connected, but no HTTP answer: a TLS listener hangs up on plain HTTP. This
+            # check reads no config, so it asks again in HTTPS.
+            url = "https" + url.removeprefix("http")
+            status = status_of(url)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         print(f"{url}: {exc}", file=sys.stderr)
         return 1
     if status != 200:

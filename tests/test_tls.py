@@ -138,3 +138,30 @@ def test_curl_and_pip_over_https(
     finally:
         proxy.stop()
     assert f"listening on https://127.0.0.1:{proxy.port}" in proxy.log()
+
+
+def test_the_images_health_check_follows_an_https_listener(
+    tmp_path: Path, upstream: FakeUpstream, clean_env: dict[str, str]
+) -> None:
+    """The image's HEALTHCHECK (deploy/healthcheck.py) asked the TLS port in plain HTTP:
+    a container serving HTTPS itself was unhealthy for ever. It reads no config (the
+    standard library only), so it tries HTTPS where plain HTTP got no answer."""
+    cert, key, ca = make_certificate(tmp_path)
+    proxy = start_https(tls_config(tmp_path, upstream.base_url, cert, key), tmp_path, ca)
+    check = Path(__file__).resolve().parent.parent / "deploy" / "healthcheck.py"
+    try:
+        for path in ("/healthz", "/readyz?scope=local"):
+            done = subprocess.run(
+                [sys.executable, str(check), path],
+                env={**clean_env, "PROXY_LISTEN": f"0.0.0.0:{proxy.port}"},
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+        missing = subprocess.run(
+            [sys.executable, str(check), "/nothing-here"],
+            env={**clean_env, "PROXY_LISTEN": f"127.0.0.1:{proxy.port}"},
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert missing.returncode == 1 and "https://127.0.0.1" in missing.stderr, missing.stderr
+    finally:
+        proxy.stop()
