@@ -14,7 +14,7 @@ import pytest
 
 from proxy.config.load import load
 from tests.conftest import ProxyFactory, write_config
-from tests.processes import metric_value
+from tests.processes import ProxyProcess, metric_value
 from tests.rawhttp import raw_get
 from tests.upstream import ServerThread
 
@@ -351,3 +351,67 @@ def test_wrong_passwords_are_throttled_and_logged(
     for i in range(6):
         httpx.get(url(cache_proxy, key), auth=(f"nobody{i}", "x"))
     assert httpx.get(url(cache_proxy, key), auth=READER).status_code == 404  # not locked
+
+
+def lb_put(proxy: ProxyProcess, key: str, auth: tuple[str, str], client: str) -> int:
+    """A PUT as a load balancer at 127.0.0.2 forwards it for ``client``."""
+    transport = httpx.HTTPTransport(local_address="127.0.0.2")
+    with httpx.Client(transport=transport) as lb:
+        answer = lb.put(
+            f"{proxy.url}/gradle-cache/{key}",
+            content=b"x",
+            auth=auth,
+            headers={"x-forwarded-for": client},
+        )
+    return answer.status_code
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_behind_a_load_balancer_a_strangers_wrong_passwords_lock_only_the_stranger(
+    tmp_path: Path, trusted: bool
+) -> None:
+    """Behind the compose stack's nginx (not on the proxy's loopback address), every
+    client had the balancer's address: a stranger's five wrong passwords for 'ci' locked
+    the real CI out of the cache. With server.trusted_proxies naming the balancer, the
+    client is the one it forwards for; without, its own address (forwarded headers from
+    anyone else are never believed)."""
+    config = write_config(
+        tmp_path,
+        f"""
+        [server]
+        {'trusted_proxies = ["127.0.0.2"]' if trusted else ""}
+        [storage]
+        path = "{tmp_path / "data"}"
+        [[repositories]]
+        name = "gradle-cache"
+        format = "gradle-build-cache"
+        anonymous = "read"
+        [repositories.users.ci]
+        password = "the-ci-password"
+        role = "write"
+        """,
+    )
+    proxy = ProxyProcess(config, tmp_path, "lb").start().wait_ready()
+    try:
+        stranger, builder = "203.0.113.66", "198.51.100.7"
+        for i in range(5):
+            assert lb_put(proxy, "k", ("ci", f"guess-{i}"), stranger) == 401
+        assert lb_put(proxy, "k", ("ci", "guess-5"), stranger) == 429
+        ci = lb_put(proxy, "k", ("ci", "the-ci-password"), builder)
+        assert ci == (201 if trusted else 429)
+        logged = proxy.log_path.read_text()
+        assert f"client={stranger if trusted else '127.0.0.2'}" in logged
+        # A client that reaches the proxy itself cannot pick the address it is judged by.
+        direct = httpx.HTTPTransport(local_address="127.0.0.3")
+        with httpx.Client(transport=direct) as client:
+            spoofed = client.put(
+                f"{proxy.url}/gradle-cache/k",
+                content=b"x",
+                auth=("ci", "guess-6"),
+                headers={"x-forwarded-for": "192.0.2.1"},
+            )
+        assert spoofed.status_code in (401, 429)
+        logged = proxy.log_path.read_text()
+        assert "client=127.0.0.3" in logged and "192.0.2.1" not in logged
+    finally:
+        proxy.stop()

@@ -27,6 +27,7 @@ from proxy.config.options import (
     Flag,
     Hosts,
     Integer,
+    Networks,
     OptionalSize,
     OptionType,
     Percent,
@@ -67,6 +68,7 @@ from proxy.config.settings import (
     DEFAULT_STORAGE_PATH,
     DEFAULT_SWEEP_INTERVAL_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    DEFAULT_TRUSTED_PROXIES,
     DEFAULT_WORKERS,
     LOG_FORMATS,
     MIRROR_VERSIONS,
@@ -266,7 +268,7 @@ class _Parser:
             "server",
             {
                 "listen", "workers", "access_log", "log_format", "tls_cert", "tls_key",
-                "public_url", "relay_listen", "relay_url",
+                "public_url", "trusted_proxies", "relay_listen", "relay_url",
             },
         )  # fmt: skip
         database = self.table(raw, "database", {"url", "session_url", "pool_size", "idle_timeout"})
@@ -315,6 +317,9 @@ class _Parser:
             public_url = PublicUrl().parse(
                 self.environ["PROXY_PUBLIC_URL"].replace("$", "$$"), "PROXY_PUBLIC_URL", self
             )
+        trusted_proxies = self.value(
+            server, "server", "trusted_proxies", Networks(), DEFAULT_TRUSTED_PROXIES
+        )
         relay_host, relay_port = None, 0
         relay_listen = self.value(server, "server", "relay_listen", Text())
         if relay_listen:
@@ -481,6 +486,7 @@ class _Parser:
             tls=tls,
             database=database_settings,
             public_url=public_url,
+            trusted_proxies=trusted_proxies,
             admin=admin,
             object_storage=object_storage,
             relay_host=relay_host,

@@ -374,6 +374,28 @@ class Hosts:
         return "[" + ", ".join(toml_string(h) for h in value) + "]"
 
 
+class Networks:
+    """IP addresses or networks (CIDR), e.g. ``["10.0.0.0/8", "::1"]``: what a peer's
+    address is compared with (no names: a peer has only an address)."""
+
+    def parse(self, value: object, key: str, report: Reporter) -> tuple[str, ...] | None:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            report.error(key, 'must be a list of addresses or networks, e.g. ["10.0.0.0/8"]')
+            return None
+        networks = []
+        for item in value:
+            item = report.expand(item, key).strip()
+            try:
+                networks.append(str(ipaddress.ip_network(item, strict=False)))
+            except ValueError:
+                report.error(key, f"{item!r} is not an IP address or network (CIDR)")
+                return None
+        return tuple(networks)
+
+    def render(self, value: tuple[str, ...]) -> str:
+        return "[" + ", ".join(toml_string(n) for n in value) + "]"
+
+
 def toml_string(text: str) -> str:
     """``text`` as a TOML basic string (escapes included), so check-config output loads."""
     return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")

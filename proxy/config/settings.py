@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from proxy.config.options import Hosts, Percent, Urls, options_of, toml_key, toml_string
+from proxy.config.options import (
+    Hosts,
+    Networks,
+    Percent,
+    Urls,
+    options_of,
+    toml_key,
+    toml_string,
+)
 from proxy.redaction import redact
 from proxy.units import format_duration, format_size
 
@@ -23,6 +31,8 @@ DEFAULT_MAX_FILE_SIZE = 20 * 10**9
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_STORAGE_PATH = "./data"
 DEFAULT_WORKERS = 1
+# A reverse proxy on this machine (nginx in front of 127.0.0.1) forwards for its clients.
+DEFAULT_TRUSTED_PROXIES = ("127.0.0.1/32", "::1/128")
 DEFAULT_ACCESS_LOG = True  # one line per request, as uvicorn and nginx do by default
 LOG_FORMATS = ("text", "json")
 DEFAULT_LOG_FORMAT = "text"
@@ -221,6 +231,9 @@ class Settings:
     mirrors: tuple[MirrorSettings, ...] = ()
     # Where clients reach the proxy (behind a load balancer); None: the request's Host.
     public_url: str | None = None
+    # Peers whose X-Forwarded-For names the client (a load balancer): the address that
+    # logs and wrong-password throttles judge a request by.
+    trusted_proxies: tuple[str, ...] = DEFAULT_TRUSTED_PROXIES
     access_log: bool = DEFAULT_ACCESS_LOG
     log_format: str = DEFAULT_LOG_FORMAT
     tls: TlsSettings | None = None
@@ -273,6 +286,7 @@ class Settings:
                 if self.public_url is not None
                 else "# public_url is not set: URLs back to the proxy use each request's Host"
             ),
+            f"trusted_proxies = {Networks().render(self.trusted_proxies)}",
             *_relay_keys(self),
             "[database]",
             f"url = {toml_string(self.database_url)}",

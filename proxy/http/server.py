@@ -155,6 +155,9 @@ def run_process(
         timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
         server_header=False,
         limit_concurrency=connection_limit(open_files),
+        # uvicorn takes the client from X-Forwarded-For only from these peers (its own
+        # default reads FORWARDED_ALLOW_IPS, a variable no setting of ours names).
+        forwarded_allow_ips=list(settings.trusted_proxies),
     )
     server = uvicorn.Server(config)
 
