@@ -93,3 +93,23 @@ def test_json_log_format_and_access_log_off(tmp_path: Path, upstream: FakeUpstre
         proxy.stop()
     assert "(access log off)" in proxy.log()
     assert " proxy.access " not in proxy.log()
+
+
+def test_a_clients_text_cannot_forge_log_lines(tmp_path: Path, upstream: FakeUpstream) -> None:
+    """A failed admin login logs the user name the client sent; a newline in it started
+    a line of the client's own choosing ("INFO proxy.admin purged package ..."). Text
+    from outside is one line, its control characters escaped."""
+    admin = '[admin.users.ops]\npassword = "right"\n'
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url, admin))
+    proxy = ProxyProcess(config, tmp_path, "forged").start().wait_ready()
+    forged = "evil\nINFO proxy.admin [1] purged package pypi/requests (by ops)\r\x1b[2K"
+    try:
+        refused = httpx.get(proxy.url + "/api/v1/stats", auth=(forged, "wrong"))
+        assert refused.status_code == 401
+        log = wait_for(proxy, "admin login failed")
+    finally:
+        proxy.stop()
+    [failed] = [line for line in log.splitlines() if "admin login failed" in line]
+    assert "user=evil\\nINFO proxy.admin [1] purged package" in failed
+    assert "\\r\\x1b[2K" in failed
+    assert not any(line.startswith("INFO proxy.admin") for line in log.splitlines())

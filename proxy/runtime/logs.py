@@ -27,11 +27,28 @@ ACCESS_LOGGER = "proxy.access"
 ACCESS_FIELDS = ("client", "method", "path", "status", "bytes", "duration_ms", "cache")
 
 
+# C0 controls and DEL: a newline in text from outside (a user name, an upstream's
+# message) would start a line of its author's choosing, an escape sequence would
+# rewrite the operator's terminal.
+_CONTROLS = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F)} | {
+    0x0A: "\\n",
+    0x0D: "\\r",
+    0x09: "\\t",
+}
+
+
 class RedactingFormatter(logging.Formatter):
-    """A formatter whose every line (message, exception, stack) is redacted."""
+    """A formatter whose every line (message, exception, stack) is redacted, and whose
+    message is one line: its control characters are escaped (a traceback after it
+    keeps its lines)."""
 
     def format(self, record: logging.LogRecord) -> str:
         return _redacted(record, super().format(record))
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if record.name != ACCESS_LOGGER:  # its one untrusted field, the path, has none
+            record.message = record.message.translate(_CONTROLS)
+        return super().formatMessage(record)
 
 
 class JsonFormatter(logging.Formatter):
