@@ -67,6 +67,7 @@ def test_settings_are_checked_at_load(tmp_path: Path) -> None:
         f'tls_cert = "{cert}"': "server.tls_key: is required when server.tls_cert is set",
         f'tls_key = "{key}"': "server.tls_cert: is required when server.tls_key is set",
         f'tls_cert = "{tmp_path}/nope.crt"\ntls_key = "{key}"': "server.tls_cert: ",
+        f'tls_cert = "{tmp_path}"\ntls_key = "{key}"': "is a folder, not a PEM file",
         f'tls_cert = "{other_cert}"\ntls_key = "{key}"': "cannot be loaded",
         f'tls_cert = "{encrypted_cert}"\ntls_key = "{encrypted_key}"': "cannot be loaded",
         f'tls_cert = "{tmp_path}/proxy.key"\ntls_key = "{cert}"': "cannot be loaded",

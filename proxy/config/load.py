@@ -955,7 +955,9 @@ class _Parser:
         paths = {}
         for name, text in (("tls_cert", cert), ("tls_key", key)):
             path = Path(text) if Path(text).is_absolute() else base / text
-            if not path.is_file():
+            if path.is_dir():
+                self.error(f"server.{name}", f"{text!r} is a folder, not a PEM file")
+            elif not path.is_file():
                 self.error(f"server.{name}", f"{text!r}: no such file")
             paths[name] = path
         if not all(path.is_file() for path in paths.values()):
