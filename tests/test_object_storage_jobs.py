@@ -273,3 +273,42 @@ def test_reclaim_aborts_only_the_proxys_own_unfinished_uploads(
             assert sorted(left) == sorted(others)
 
     asyncio.run(scenario())
+
+
+def test_storage_copy_skips_a_fifo_or_a_link_at_a_blobs_name_and_finishes(
+    tmp_path: Path, seaweedfs: SeaweedFS, s3_bucket: str, clean_env: dict[str, str]
+) -> None:
+    """A FIFO at a blob's name hung the copy for ever (its open waits for a writer, in
+    an I/O thread); a symlink was followed out of the store. Like the local tier, the
+    copy reads only regular files of their own, and says which it could not."""
+    blobs = tmp_path / "data" / "blobs"
+    body = os.urandom(3000)
+    sha = hashlib.sha256(body).hexdigest()
+    outside = tmp_path / "outside"
+    outside.write_bytes(body)  # the right bytes, but not the store's file
+    for name, make in (
+        (sha, lambda p: p.symlink_to(outside)),
+        ("ef" + "01" + "2" * 60, lambda p: os.mkfifo(p)),
+    ):
+        path = blobs / name[:2] / name[2:4] / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make(path)
+    good = os.urandom(2000)
+    good_sha = hashlib.sha256(good).hexdigest()
+    path = blobs / good_sha[:2] / good_sha[2:4] / good_sha
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(good)
+    config = write_config(tmp_path, f'[storage]\npath = "{tmp_path / "data"}"\n')
+    argv = [
+        sys.executable, "-m", "proxy", "storage", "copy", "--config", str(config),
+        "--to", f"s3://{s3_bucket}/moved/", "--endpoint", seaweedfs.endpoint,
+        "--region", "us-east-1", "--path-style",
+    ]  # fmt: skip
+    done = subprocess.run(
+        argv, capture_output=True, text=True, env={**clean_env, **seaweedfs.env}, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+    assert "1 copied" in done.stdout and "2 failed" in done.stdout, done.stdout
+    assert "not a regular file" in done.stdout, done.stdout
+    keys = seaweedfs.keys(s3_bucket, "moved/")
+    assert list(keys) == [f"moved/blobs/{good_sha[:2]}/{good_sha[2:4]}/{good_sha}"]

@@ -20,7 +20,7 @@ from typing import TextIO
 from proxy.exceptions import StorageError
 from proxy.runtime.blocking import run_blocking
 from proxy.runtime.progress import printable, redraw
-from proxy.storage.blobs import BlobStore, is_sha256
+from proxy.storage.blobs import BlobStore, is_sha256, open_regular
 from proxy.storage.s3 import Bucket
 from proxy.units import human_size
 
@@ -124,9 +124,13 @@ async def copy_folder(source: BlobStore, bucket: Bucket, progress: CopyProgress)
 
 async def _copy_one(source: BlobStore, bucket: Bucket, sha256: str, size: int) -> tuple[str, str]:
     try:
-        fd = await run_blocking(os.open, source.path(sha256), os.O_RDONLY)
+        # Never through a link out of the store, and never waiting on a FIFO (an open
+        # that hangs its I/O thread for ever): a regular file of its own, or nothing.
+        fd = await run_blocking(open_regular, str(source.path(sha256)))
     except FileNotFoundError:
         return "failed", "the file is gone"
+    except OSError as exc:
+        return "failed", f"not read: {exc.strerror or exc} (only a regular file is copied)"
     try:
         digest = await run_blocking(_sha256_of, fd)
         if digest != sha256:
