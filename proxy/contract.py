@@ -590,14 +590,22 @@ class PackageVersion:
     version: str | None = None
 
 
+def as_given(name: str) -> str:
+    return name
+
+
 @dataclass(frozen=True)
 class Packages:
     """The format knows which package each stored key belongs to (docs/architecture.md,
     "Operating: console, API and logs"): its repositories are browsed, searched and
     purged by package. ``of(key)`` is a pure function of the key, called when an entry
-    is stored (None: the key belongs to no package, e.g. a root index page)."""
+    is stored (None: the key belongs to no package, e.g. a root index page).
+    ``name(text)`` is the stored spelling of a name (or a name's prefix) a person typed,
+    for formats whose names are equal in several spellings (PyPI's, PEP 503); as given
+    by default."""
 
     of: Callable[[str], PackageVersion | None]
+    name: Callable[[str], str] = as_given
 
 
 ErrorBodies = Literal["text", "json"]

@@ -84,6 +84,8 @@ class Engine:
     # package_of of the repositories grouped by package (browsing, purges).
     views: dict[str, Counted] = field(default_factory=dict)
     package_of: dict[str, Callable[[str], PackageVersion | None]] = field(default_factory=dict)
+    # The stored spelling of a package name a person typed (contract.Packages.name).
+    package_names: dict[str, Callable[[str], str]] = field(default_factory=dict)
     # Repositories whose format's clients read errors as JSON (FormatPlugin.error_bodies).
     json_errors: frozenset[str] = frozenset()
     started_at_ms: int = 0
@@ -254,6 +256,7 @@ async def _engine(
                 pool,
                 views=built.views,
                 package_of=built.package_of,
+                package_names=built.package_names,
                 json_errors=frozenset(built.json_errors),
                 started_at_ms=clock.now_ms(),
             )
@@ -284,6 +287,7 @@ class Repositories:
     mirror_sources: dict[str, MirrorSource] = field(default_factory=dict)  # in config order
     views: dict[str, Counted] = field(default_factory=dict)
     package_of: dict[str, Callable[[str], PackageVersion | None]] = field(default_factory=dict)
+    package_names: dict[str, Callable[[str], str]] = field(default_factory=dict)
     json_errors: set[str] = field(default_factory=set)
 
     def add(
@@ -297,8 +301,9 @@ class Repositories:
     ) -> None:
         responses = FormatResponses(repo.name)
         package_of = plugin.packages.of if plugin.packages is not None else None
-        if package_of is not None:
-            self.package_of[repo.name] = package_of
+        if plugin.packages is not None:
+            self.package_of[repo.name] = plugin.packages.of
+            self.package_names[repo.name] = plugin.packages.name
         if plugin.error_bodies == "json":
             self.json_errors.add(repo.name)
         if plugin.proxying is not None:

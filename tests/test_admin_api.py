@@ -130,6 +130,25 @@ def test_purging_a_package_sends_the_next_request_upstream(
     assert upstream.count("/simple/ghost/") == 2
 
 
+def test_pypi_package_names_are_found_and_purged_in_any_spelling(proxied: str) -> None:
+    """PyPI names are equal in any case and run of -_. (PEP 503), and are stored
+    normalized: `DELETE /api/v1/packages/pypi/Alpha` answered 200 "deleted 0" and
+    purged nothing, a search for "Alpha" in the console found nothing."""
+    fetch_all(proxied)
+    with client(proxied) as api_client:
+        found = api_client.get("/api/v1/packages/pypi/ALPHA")
+        assert found.status_code == 200 and found.json()["entries"] == 3, found.text
+        for path, q in (("/api/v1/packages", "Bet"), ("/api/v1/entries", "BETA")):
+            page = api_client.get(path, params={"repository": "pypi", "q": q}).json()
+            assert page["q"] == q.lower()
+            rows = page.get("packages") or page["entries"]
+            assert {row["package"] for row in rows} >= {"beta"}, page
+        purged = api_client.delete("/api/v1/packages/pypi/Gamma").json()
+        assert (purged["package"], purged["deleted"]) == ("gamma", 3)
+        left = api_client.get("/api/v1/entries", params={"repository": "pypi", "q": "gamma"})
+        assert left.json()["entries"] == []
+
+
 def test_deleting_one_entry(proxied: str, upstream: FakeUpstream) -> None:
     fetch_all(proxied)
     with client(proxied) as api_client:

@@ -248,7 +248,7 @@ class Overview:
         of packages whose name starts with it. ``next`` is the cursor of the next page."""
         limit = max(1, min(limit, PAGE_SIZE_MAX))
         cursor = decode_cursor(after)
-        q = checked_text(q, "q")
+        q = self.package_name(repository, checked_text(q, "q"))
         if q:
             start = (cursor[0], cursor[1]) if len(cursor) == 2 else (q, "")
             rows = await self.engine.catalog.search_entries(repository, q, start, limit + 1)
@@ -271,7 +271,7 @@ class Overview:
     ) -> dict[str, Any]:
         limit = max(1, min(limit, PAGE_SIZE_MAX))
         cursor = decode_cursor(after)
-        q = checked_text(q, "q")
+        q = self.package_name(repository, checked_text(q, "q"))
         rows = await self.engine.catalog.list_packages(
             repository, q, cursor[0] if len(cursor) == 1 else "", limit + 1
         )
@@ -292,7 +292,7 @@ class Overview:
         }
 
     async def package(self, repository: str, package: str) -> dict[str, Any]:
-        package = checked_text(package, "package")
+        package = self.package_name(repository, checked_text(package, "package"))
         rows = await self.engine.catalog.package_entries(repository, package, PACKAGE_ENTRIES_MAX)
         if not rows:
             raise NotFound(f"nothing of package {package!r} is cached in {repository}")
@@ -344,7 +344,7 @@ class Overview:
                 f"repository {repository!r} ({self._format(repository)}) does not group its "
                 "entries by package; purge entries one by one"
             )
-        package = checked_text(package, "package")
+        package = self.package_name(repository, checked_text(package, "package"))
         removed = await self.engine.catalog.delete_package(repository, package)
         for gone in removed:
             self.engine.cache.index.drop(repository, gone.key)
@@ -364,6 +364,12 @@ class Overview:
             raise NotFound(f"no entry {key!r} in {repository}")
         self._usage = self._totals = None
         return {"repository": repository, "key": key, "deleted": 1}
+
+    def package_name(self, repository: str, text: str) -> str:
+        """A package name (or a name's prefix) as the repository stores it: a person
+        types "Django" or "flask_cors" for PyPI's django and flask-cors."""
+        spelling = self.engine.package_names.get(repository)
+        return spelling(text) if spelling is not None else text
 
     def _format(self, repository: str) -> str:
         repo = self.engine.settings.repository(repository)

@@ -100,6 +100,7 @@ def _problems(candidate: object, name: str) -> Iterator[str]:
             yield f"proxying.max_upstreams must be a positive number or None, not {limit!r}"
     if plugin.packages is not None:
         yield from _callable_problems(plugin.packages.of, "packages.of", positional=1)
+        yield from _callable_problems(plugin.packages.name, "packages.name", positional=1)
     if plugin.error_bodies not in get_args(ErrorBodies):
         yield f"error_bodies must be one of {get_args(ErrorBodies)}, not {plugin.error_bodies!r}"
     default = plugin.default_repository

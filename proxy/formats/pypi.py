@@ -426,5 +426,5 @@ FORMAT = FormatPlugin(
     proxying=Proxying(build=PypiRepository, max_upstreams=1),
     mirroring=Mirroring(purl_types=("pypi",), keys=PypiRepository.mirror),
     default_repository={"name": "pypi", "format": "pypi"},
-    packages=Packages(of=package_of),
+    packages=Packages(of=package_of, name=si.normalize),
 )
