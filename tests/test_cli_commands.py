@@ -100,7 +100,13 @@ def test_gc_without_a_catalog_deletes_nothing(tmp_path: Path) -> None:
     done = run(tmp_path, "gc", env={**env, "PROXY_DATABASE_URL": f"sqlite:///{typo}"})
     assert done.returncode == 1 and "no catalog" in done.stderr, (done.stdout, done.stderr)
     assert blob.exists() and not typo.exists()
-    # With its catalog, gc does its work (the blob is an orphan there too).
+    # With its catalog, made before the blob, gc does its work (an orphan there too).
+    import sqlite3
+
+    db = sqlite3.connect(store / "proxy.db")
+    db.execute("UPDATE schema_migrations SET applied_at_ms = applied_at_ms - 8 * 86400000")
+    db.commit()
+    db.close()
     assert run(tmp_path, "gc", env=env).returncode == 0
     assert not blob.exists()
 

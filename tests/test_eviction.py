@@ -208,6 +208,36 @@ async def test_files_evicted_while_young_are_deleted_by_a_later_pass_without_rec
             assert (cached is not None) == blob_exists(engine, f.body)
 
 
+async def test_blobs_older_than_the_catalog_are_not_its_orphans(
+    tmp_path: Path, upstream: FakeUpstream, clock: ManualClock, database_url: str
+) -> None:
+    """`proxy serve` on the store of an installation with a database.url that names
+    another (empty) catalog: a typo, a database restored elsewhere, an empty Postgres
+    database. Every blob of the store is named by no entry there, and the reclaim job
+    (run at start) deleted every one a day old within seconds."""
+    import hashlib
+
+    store = tmp_path / "data" / "blobs"
+    old_bodies = [os.urandom(100) for _ in range(3)]
+    three_days_ago = clock.now_ms() / 1000 - 3 * 86400
+    for body in old_bodies:  # the installation's files, from before this catalog
+        sha = hashlib.sha256(body).hexdigest()
+        path = store / sha[:2] / sha[2:4] / sha
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(body)
+        os.utime(path, (three_days_ago, three_days_ago))
+    async with engine_for(tmp_path, upstream, clock, database_url) as engine:
+        orphan = os.urandom(100)  # this catalog's own: a crash between publish and record
+        path = engine.blobs.path(hashlib.sha256(orphan).hexdigest())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(orphan)
+        clock.advance(2 * 86400)
+        summary = await job(engine, "reclaim").run()
+        assert "1 orphan blobs" in summary, summary
+        assert not blob_exists(engine, orphan)
+        assert all(blob_exists(engine, body) for body in old_bodies)
+
+
 async def test_the_orphan_sweep_asks_the_catalog_in_batches(
     tmp_path: Path,
     upstream: FakeUpstream,

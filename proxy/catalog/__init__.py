@@ -305,6 +305,11 @@ class Catalog(Protocol):
         statement for the whole batch: the orphan sweep's question)."""
         ...
 
+    async def created_at_ms(self) -> int | None:
+        """When this catalog was made (its first migration), or None before that. A blob
+        older than its catalog was stored by another: the orphan sweep leaves it."""
+        ...
+
     async def storage_usage(self) -> StorageUsage:
         """One aggregate over every repository."""
         ...

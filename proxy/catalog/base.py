@@ -138,6 +138,10 @@ class SqlCatalog:
         rows = await self._fetch("unreferenced_blobs", json.dumps(list(sha256s)))
         return {row["sha256"] for row in rows}
 
+    async def created_at_ms(self) -> int | None:
+        row = await self._fetchrow("created_at")
+        return int(row["at_ms"]) if row is not None and row["at_ms"] is not None else None
+
     async def delete_expired_negatives(self, older_than_ms: int) -> int:
         return await self._execute("delete_expired_negatives", older_than_ms)
 

@@ -47,10 +47,16 @@ class Reclaim:
 
     async def remove_orphans(self) -> int:
         """Delete blobs older than the storage's ``orphan_min_age_s`` that no entry
-        refers to and no tombstone names, asking the catalog once per batch of names."""
+        refers to and no tombstone names, asking the catalog once per batch of names.
+        Blobs older than the catalog itself are not its orphans: a database.url naming
+        another catalog than the store's (a typo, an empty database after a restore)
+        would otherwise take every blob of the store for one."""
         cutoff_s = self.clock.now_ms() / 1000 - self.storage.orphan_min_age_s
+        created_ms = await self.catalog.created_at_ms()
+        if created_ms is None:
+            return 0  # no migration recorded: not a catalog we may judge the store by
         removed = 0
-        async for names in self.storage.candidates(cutoff_s):
+        async for names in self.storage.candidates(cutoff_s, created_ms / 1000):
             orphans = await self.catalog.unreferenced_blobs(names)
             # The age is judged again at deletion (folder store): a fetch may have
             # published it since.

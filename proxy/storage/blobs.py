@@ -219,12 +219,12 @@ class BlobStore:
     async def delete(self, sha256s: Iterable[str], cutoff_s: float) -> tuple[set[str], set[str]]:
         return await run_blocking(self.delete_older, list(sha256s), cutoff_s)
 
-    async def candidates(self, cutoff_s: float) -> AsyncIterator[list[str]]:
+    async def candidates(self, cutoff_s: float, since_s: float = 0.0) -> AsyncIterator[list[str]]:
         def older() -> list[str]:
             return [
                 sha
                 for sha, _size, mtime in self.iter_blobs()
-                if mtime < cutoff_s and is_sha256(sha)
+                if since_s <= mtime < cutoff_s and is_sha256(sha)
             ]
 
         names = await run_blocking(older)

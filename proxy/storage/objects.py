@@ -117,12 +117,12 @@ class ObjectStorage:
         await self.tier.drop(names)
         return set(names), set()
 
-    async def candidates(self, cutoff_s: float) -> AsyncIterator[list[str]]:
+    async def candidates(self, cutoff_s: float, since_s: float = 0.0) -> AsyncIterator[list[str]]:
         async for page in self.bucket.list_objects("blobs/"):
             names = []
             for item in page:
                 sha = self._blob_named(item.key)
-                if sha is not None and item.modified_s < cutoff_s:
+                if sha is not None and since_s <= item.modified_s < cutoff_s:
                     names.append(sha)
             if names:
                 yield names

@@ -64,9 +64,9 @@ class Storage(Protocol):
         cannot tell without a request per object and deletes them all."""
         ...
 
-    def candidates(self, cutoff_s: float) -> AsyncIterator[list[str]]:
-        """The sha256 of stored blobs last written before ``cutoff_s``, in batches (the
-        orphan sweep asks the catalog about each batch)."""
+    def candidates(self, cutoff_s: float, since_s: float = 0.0) -> AsyncIterator[list[str]]:
+        """The sha256 of stored blobs last written from ``since_s`` to before ``cutoff_s``,
+        in batches (the orphan sweep asks the catalog about each batch)."""
         ...
 
     async def remove_leftovers(self, before_s: float) -> int:

@@ -89,6 +89,7 @@ class MemoryCatalog:
         self.failures: list[JobFailure] = []
         self.runs: dict[int, MirrorRun] = {}
         self.backfilled: set[str] = set()
+        self.created_ms = clock.now_ms()
 
     async def _enter(self, operation: str) -> None:
         await asyncio.sleep(0)  # a database call always yields to the loop
@@ -184,6 +185,10 @@ class MemoryCatalog:
         await self._enter("unreferenced_blobs")
         used = self._referenced()
         return {sha for sha in sha256s if sha not in used and sha not in self.tombstones}
+
+    async def created_at_ms(self) -> int | None:
+        await self._enter("created_at_ms")
+        return self.created_ms
 
     async def storage_usage(self) -> StorageUsage:
         await self._enter("storage_usage")

@@ -139,6 +139,10 @@ SELECT v.sha AS sha256 FROM jsonb_array_elements_text($1::jsonb) AS v(sha)
 WHERE NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = v.sha)
   AND NOT EXISTS (SELECT 1 FROM blob_tombstones WHERE blob_tombstones.sha256 = v.sha)
 
+-- name: created_at
+-- When the catalog was made: its first migration (the orphan sweep keeps older blobs).
+SELECT (extract(epoch FROM min(applied_at)) * 1000)::bigint AS at_ms FROM schema_migrations
+
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < $1
 

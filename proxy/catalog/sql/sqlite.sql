@@ -127,6 +127,10 @@ SELECT v.value AS sha256 FROM json_each(?1) AS v
 WHERE NOT EXISTS (SELECT 1 FROM entries WHERE entries.sha256 = v.value)
   AND NOT EXISTS (SELECT 1 FROM blob_tombstones WHERE blob_tombstones.sha256 = v.value)
 
+-- name: created_at
+-- When the catalog was made: its first migration (the orphan sweep keeps older blobs).
+SELECT min(applied_at_ms) AS at_ms FROM schema_migrations
+
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < ?1
 
