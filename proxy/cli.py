@@ -1,4 +1,5 @@
-"""``proxy serve | check-config | migrate | gc | stats | mirror | jobs | storage copy``.
+"""``proxy serve | check-config | migrate | gc | stats | mirror | jobs | storage copy |
+policy explain``.
 
 Nothing of the proxy is imported at module level: the Prometheus client decides where
 metric values live when ``proxy.runtime.metrics`` is first imported, so the metrics folder must
@@ -41,6 +42,7 @@ NEEDS: dict[str, tuple[frozenset[str] | None, str]] = {
     "jobs": (_STORE | {"jobs", "leases", "upstream", "mirrors"}, "none"),
     "mirror": (_STORE | {"leases", "upstream", "mirrors"}, "mirrors"),
     "storage": (frozenset({"storage"}), "none"),
+    "policy": (_STORE | {"leases", "upstream", "policy"}, "all"),
 }
 
 
@@ -153,6 +155,25 @@ def build_parser() -> argparse.ArgumentParser:
     copy.add_argument(
         "--path-style", action="store_true", help="path-style requests (most self-hosted servers)"
     )
+    policy = command(
+        "policy",
+        "the release policy: explain its decisions",
+        'What the release policy ([policy], README "Holding new releases back") decides.',
+    )
+    policy_commands = policy.add_subparsers(dest="policy_command", metavar="COMMAND")
+    explain = policy_commands.add_parser(
+        "explain",
+        help="print each decision and its reason",
+        description="Print what the release policy decides for each package URL, and why, "
+        "without serving anything: for a purl with a version, that version; without one, "
+        "every version its index lists. Publish times are asked of the upstream through "
+        "the cache when need be, as `proxy mirror` does. Exit status 1 if a purl names "
+        "nothing the policy judges.",
+        parents=[config],
+    )
+    explain.add_argument("purls", nargs="+", metavar="PURL", help="e.g. pkg:pypi/requests@2.32.3")
+    explain.add_argument("--repository", help="judge in this repository (default: by type)")
+    explain.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -184,6 +205,8 @@ def _main(argv: Sequence[str] | None) -> int:
         environ["PROXY_CONFIG"] = args.config
     if getattr(args, "listen", None):
         environ["PROXY_LISTEN"] = args.listen
+    if args.command == "policy" and args.policy_command is None:
+        parser.parse_args(["policy", "--help"])
     sections, repositories = NEEDS[args.command]
     try:
         settings = load(None, environ, Needs(sections, repositories))
@@ -203,12 +226,14 @@ def _main(argv: Sequence[str] | None) -> int:
         except KeyboardInterrupt:
             print("interrupted: run it again to go on where it stopped", file=sys.stderr)
             return 130
-    if args.command in ("mirror", "jobs"):
+    if args.command in ("mirror", "jobs", "policy"):
         # Their output is the point; the log shows only what went wrong.
-        configure_logging("warning" if args.command == "mirror" else "error")
+        configure_logging("error" if args.command == "jobs" else "warning")
         try:
             if args.command == "mirror":
                 return asyncio.run(_mirror(settings, args))
+            if args.command == "policy":
+                return asyncio.run(_explain(settings, args))
             return asyncio.run(_jobs(settings, args.json))
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
@@ -529,6 +554,70 @@ def _outcome(run: JobRun | None) -> str:
     if run is None or run.outcome is None:
         return "-"
     return "abandoned (its pass died)" if run.abandoned else run.outcome
+
+
+async def _explain(settings: Settings, args: argparse.Namespace) -> int:
+    from proxy.clock import SYSTEM_CLOCK
+    from proxy.engine import open_engine
+    from proxy.exceptions import CatalogError, ClientError, FetchError
+    from proxy.mirror.purls import parse_purl
+    from proxy.policy import explain
+
+    refs = []
+    for purl in args.purls:
+        try:
+            refs.append(parse_purl(purl))
+        except ValueError as exc:
+            print(f"PURL: {exc}", file=sys.stderr)
+            return 2
+    if args.repository is not None and settings.repository(args.repository) is None:
+        print(f"--repository: no repository {args.repository!r} in the config", file=sys.stderr)
+        return 2
+    status = 0
+    found: list[dict[str, object]] = []
+    try:
+        async with open_engine(settings, SYSTEM_CLOCK) as engine:
+            # Fetch leases like any replica: a key a serving replica is fetching is shared.
+            engine.start_background(scheduler=False)
+            policy = engine.policies.current
+            for ref in refs:
+                gate = engine.gate_for(ref.type, args.repository)
+                if gate is None:
+                    where = f"repository {args.repository!r}" if args.repository else "any"
+                    judged = sorted({g.releases.purl_type for g in engine.gates.values()})
+                    print(
+                        f"PURL: {ref}: the release policy judges no {ref.type!r} packages in "
+                        f"{where} (it judges {', '.join(judged) or 'none'})",
+                        file=sys.stderr,
+                    )
+                    status = 1
+                    continue
+                try:
+                    package = gate.releases.package(ref)
+                    decisions = await gate.explain(package, ref.version)
+                except (ClientError, FetchError) as exc:
+                    print(f"PURL: {ref}: {exc}", file=sys.stderr)
+                    status = 1
+                    continue
+                purl = gate.purl(package)
+                for version, decision in decisions:
+                    facts = explain.facts(decision, purl, version)
+                    found.append({"repository": gate.repository, **facts})
+                    if not args.json:
+                        print(
+                            f"{gate.repository}: {explain.sentence(decision, f'{purl}@{version}')}"
+                        )
+                if not decisions and not args.json:
+                    print(f"{gate.repository}: {purl}: its index lists no version")
+            mode = "report (nothing is withheld)" if policy.report_only else "enforce"
+    except CatalogError as exc:
+        print(redact(f"database.url: {exc}"), file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"mode": settings.policy.mode, "decisions": found}, indent=2))
+    else:
+        print(f"mode: {mode}")
+    return status
 
 
 async def _jobs(settings: Settings, as_json: bool) -> int:

@@ -94,12 +94,16 @@ BASE_URL_MARK = "\x00"
 # Keys the engine gives every repository of a proxying format (``Proxying``); a format's
 # own options must not use them.
 ENGINE_REPOSITORY_KEYS = ("upstream", "allow_hosts", "retention", "max_file_size")
+# Keys the engine gives every repository of a format whose releases the policy judges
+# (``Releases``).
+RELEASE_REPOSITORY_KEYS = ("cooldown",)
 
 __all__ = [
     "BASE_URL_MARK",
     "ENGINE_REPOSITORY_KEYS",
     "KNOWN_DIGESTS",
     "NOT_FOUND_STATUSES",
+    "RELEASE_REPOSITORY_KEYS",
     "Adapter",
     "AdapterT",
     "BadRequest",
@@ -122,12 +126,15 @@ __all__ = [
     "HostedContext",
     "Hosting",
     "Hosts",
+    "IndexModel",
     "Integer",
     "InvalidPlugin",
     "Kind",
     "Link",
     "LinkBatch",
     "LinkStore",
+    "ListedVersion",
+    "Listing",
     "MethodNotAllowed",
     "MirrorVersions",
     "Mirroring",
@@ -147,6 +154,9 @@ __all__ = [
     "ProxyCache",
     "ProxyContext",
     "Proxying",
+    "PublishedAt",
+    "PublishedIn",
+    "Releases",
     "Reporter",
     "RepositorySettings",
     "Request",
@@ -168,7 +178,9 @@ __all__ = [
     "UpstreamUnavailable",
     "Urls",
     "Validators",
+    "View",
     "WarmResult",
+    "Withheld",
     "decode_path",
     "decode_segment",
     "option",
@@ -402,6 +414,67 @@ class Origin(Protocol):
         ...
 
 
+# -- index documents ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ListedVersion:
+    """A version an index document lists: when it was published, if the document says
+    (npm's ``time``; for PyPI the earliest ``upload-time`` of its files), and the keys of
+    its files the document gives no time for (the engine records when it first saw them)."""
+
+    version: str
+    published_at_ms: int | None = None
+    unstated: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """What an index document lists, as its format reads it: the versions, where their
+    times come from (for messages: ``upload-time``, ``time``), and a time no version of
+    the document was published after, if it states one (Maven's ``lastUpdated``)."""
+
+    versions: tuple[ListedVersion, ...]
+    time_source: str = "upload-time"
+    updated_at_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class Withheld:
+    """Why one version is left out of a rendering: ``hold`` (until ``until_ms``) or
+    ``deny``, and the policy's reason in words."""
+
+    action: Literal["hold", "deny"]
+    reason: str
+    until_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class View:
+    """What the engine decided for one rendering of an index document: the versions
+    to leave out, whether the package is quarantined (every version denied; the reason),
+    and the publish times the engine knows of files the document states none for
+    (key -> Unix ms: when this fleet first saw them listed). The format renders it; it
+    never decides what is withheld (docs/architecture.md, "Release policy")."""
+
+    withheld: Mapping[str, Withheld] = field(default_factory=dict)
+    quarantined: str | None = None
+    published: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IndexModel:
+    """An index document (a PyPI project page, maven-metadata.xml, a packument) stored
+    once as the format's own model and rendered per request (docs/architecture.md,
+    "Index documents"): ``listing(body)`` says what it lists, ``render(body, view,
+    representation)`` renders it as ``view`` says. Both are pure, picklable functions run
+    in ``compute`` (a child process for all but tiny documents); a rendering may hold
+    ``BASE_URL_MARK`` where an absolute URL of the proxy goes."""
+
+    listing: Callable[[bytes], Listing]
+    render: Callable[[bytes, View, str], bytes]
+
+
 @dataclass(frozen=True)
 class FetchSpec:
     """One key of a repository and how to get it."""
@@ -420,6 +493,9 @@ class FetchSpec:
     # What the body must look like when no digest the index or the upstream gave
     # verified it (a jar is a zip archive, never a login page): checked before storing.
     content: Content = Content.NOT_HTML
+    # An index document stored as a model: served rendered (``ProxyCache.respond`` with a
+    # representation), filtered by the release policy, never as stored.
+    model: IndexModel | None = None
 
     def __post_init__(self) -> None:
         if self.base_url_marks and self.stream:
@@ -444,9 +520,12 @@ class ProxyCache(Protocol):
         request: Request,
         headers: Mapping[str, str] | None = None,
         digest_headers: Callable[[Digests], Mapping[str, str]] | None = None,
+        representation: str = "",
     ) -> Response:
         """Serve ``spec.key``: from the cache if fresh, else through the miss path (a
-        HEAD too: it makes the same upstream requests a GET would).
+        HEAD too: it makes the same upstream requests a GET would). A key of a release
+        the policy withholds is refused (403) whatever its path; an index document
+        (``spec.model``) is served rendered in ``representation``, stale or not.
 
         ``headers`` are added to the answer (they win over the stored Content-Type).
         ``digest_headers`` turns the digests of the very bytes served (those of
@@ -456,9 +535,10 @@ class ProxyCache(Protocol):
         """
         ...
 
-    async def served_digests(self, spec: FetchSpec) -> Digests:
+    async def served_digests(self, spec: FetchSpec, representation: str = "") -> Digests:
         """The digests (``spec.digests`` and sha256) of the bytes this repository serves
-        for ``spec.key``.
+        for ``spec.key`` (of its rendering in ``representation``, for an index document);
+        refused (403) like ``respond`` for a release the policy withholds.
 
         A stored copy answers even if expired (its checksum must match what clients
         have); only a missing key is fetched. ``NotFound`` for a confirmed miss.
@@ -469,9 +549,11 @@ class ProxyCache(Protocol):
         """Make sure ``spec.key`` is cached and fresh, sharing any fetch in progress."""
         ...
 
-    async def read(self, spec: FetchSpec, limit: int) -> bytes:
+    async def read(self, spec: FetchSpec, limit: int, representation: str = "") -> bytes:
         """The body of ``spec.key`` (warmed first, like ``warm``), for a small document a
-        format must look into (an index page, maven-metadata.xml).
+        format must look into (an index page, maven-metadata.xml): as stored, or, given a
+        ``representation``, an index document's rendering as clients get it (what the
+        policy withholds left out, base-URL marks still in place).
 
         ``NotFound`` for a confirmed miss; ``UpstreamError`` past ``limit`` bytes.
         """
@@ -602,13 +684,50 @@ class Packages:
     is stored (None: the key belongs to no package, e.g. a root index page).
     ``name(text)`` is the stored spelling of a name (or a name's prefix) a person typed,
     for formats whose names are equal in several spellings (PyPI's, PEP 503); as given
-    by default."""
+    by default. The release policy judges the keys it names a version of (``Releases``)."""
 
     of: Callable[[str], PackageVersion | None]
     name: Callable[[str], str] = as_given
 
 
 ErrorBodies = Literal["text", "json"]
+
+
+@dataclass(frozen=True)
+class PublishedIn:
+    """A version's publish time is what this index document's listing says of it."""
+
+    spec: FetchSpec
+
+
+@dataclass(frozen=True)
+class PublishedAt:
+    """A version's publish time is the upstream's ``Last-Modified`` of this key (a
+    Maven pom); the engine asks for it through the cache, once per version."""
+
+    spec: FetchSpec
+
+
+@dataclass(frozen=True)
+class Releases(Generic[AdapterT]):
+    """The release policy can judge this format's releases (docs/architecture.md,
+    "Release policy"); the format needs ``packages`` too, and its repositories get the
+    engine's key ``cooldown``. The format describes, the engine decides:
+
+    - ``purl(package)``: the purl (type ``purl_type``, no version) of a package as the
+      format names it (``PackageVersion.package``); ``package(ref)`` the other way
+      round (``BadRequest`` if the purl names nothing this format serves);
+    - ``index(adapter, package)``: the index document listing the package's versions
+      (a spec with a ``model``);
+    - ``published(adapter, version)``: where the engine learns when a version was
+      published.
+    """
+
+    purl_type: str
+    purl: Callable[[str], PackageRef]
+    package: Callable[[PackageRef], str]
+    index: Callable[[AdapterT, str], FetchSpec]
+    published: Callable[[AdapterT, PackageVersion], PublishedIn | PublishedAt]
 
 
 @dataclass(frozen=True)
@@ -626,6 +745,7 @@ class FormatPlugin(Generic[OptionsT, AdapterT]):
     hosting: Hosting[OptionsT, AdapterT] | None = None
     mirroring: Mirroring[AdapterT] | None = None
     packages: Packages | None = None  # browsing and purging by package
+    releases: Releases[AdapterT] | None = None  # the release policy judges its releases
     # How the protocol's clients read an error answer's message: "text" (the body), or
     # "json" (``{"error": message}``: npm shows a JSON body's ``error`` after the status,
     # and nothing of a text one). The status is the error table's either way.

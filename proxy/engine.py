@@ -22,12 +22,13 @@ from typing import Any
 
 from proxy import formats
 from proxy.cache import Cache
+from proxy.cache.documents import Documents
 from proxy.cache.hosted import CountedUploads, HostedView
 from proxy.cache.index import AccessLog, EntryIndex
 from proxy.cache.proxied import ProxiedView
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import Clock
-from proxy.config.settings import RepositorySettings, Settings
+from proxy.config.settings import PolicySettings, RepositorySettings, Settings
 from proxy.contract import (
     Adapter,
     FormatPlugin,
@@ -47,6 +48,9 @@ from proxy.http.responses import FormatResponses, HotBlobs
 from proxy.jobs import Job, Scheduler, standard_jobs
 from proxy.jobs.packages import PackageBackfill
 from proxy.mirror.runner import Mirrors, MirrorSource
+from proxy.policy import explain
+from proxy.policy.gate import Policies, ReleaseGate
+from proxy.policy.times import PublishTimes
 from proxy.runtime import metrics
 from proxy.runtime.blocking import CpuPool, install_io_executor
 from proxy.runtime.tasks import TaskSupervisor, watch_loop_lag
@@ -89,6 +93,10 @@ class Engine:
     # Repositories whose format's clients read errors as JSON (FormatPlugin.error_bodies).
     json_errors: frozenset[str] = frozenset()
     started_at_ms: int = 0
+    # The release policy now (replaced on reload), and the gates of the repositories
+    # whose releases it judges.
+    policies: Policies = field(default_factory=lambda: Policies(PolicySettings(), {}))
+    gates: dict[str, ReleaseGate] = field(default_factory=dict)
     _stopping: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def start_background(self, scheduler: bool = True) -> None:
@@ -140,6 +148,33 @@ class Engine:
         for mirror in self.settings.mirrors:
             jobs.append(Job(mirror.job_name, mirror.interval_s, self.mirrors.job(mirror)))
         return jobs
+
+    def gate_for(self, purl_type: str, repository: str | None = None) -> ReleaseGate | None:
+        """The gate of ``repository``, or of the first repository whose releases of
+        ``purl_type`` the policy judges."""
+        if repository is not None:
+            gate = self.gates.get(repository)
+            return gate if gate is not None and gate.releases.purl_type == purl_type else None
+        return next((g for g in self.gates.values() if g.releases.purl_type == purl_type), None)
+
+    async def release_decision(self, repository: str, key: str) -> dict[str, Any] | None:
+        """What the release policy decides for a stored entry's key (the operators'
+        console shows it): its package, version, action, rule and reason, or None if the
+        key belongs to no release the policy judges."""
+        gate = self.gates.get(repository)
+        found = await gate.of_key(key) if gate is not None else None
+        if gate is None or found is None:
+            return None
+        version, decision = found
+        facts = explain.facts(decision, gate.purl(version.package), version.version)
+        facts["enforced"] = not self.policies.current.report_only
+        return facts
+
+    def reload_policy(self, settings: Settings) -> None:
+        """Apply a new ``[policy]`` (and the repositories' ``cooldown``) from ``settings``;
+        every decision made under the old one is made again when next needed
+        (docs/architecture.md, "Release policy"). Nothing else of ``settings`` is used."""
+        self.policies.replace(settings.policy, cooldowns(settings))
 
     def stop(self) -> asyncio.Future[None]:
         """Cancel every fetch and job, then hand back every lease (idempotent)."""
@@ -223,7 +258,10 @@ async def _engine(
                 bodies=fills.body if fills is not None else None,
                 redirect_min_size=s3.redirect_min_size if s3 is not None else None,
             )  # fmt: skip
-            built = Repositories()
+            documents = Documents(catalog, storage.files.root, cpu.run, clock)
+            await documents.start()
+            policies = Policies(settings.policy, cooldowns(settings))
+            built = Repositories(documents, policies)
             for repo in settings.repositories:
                 upstream = seams.upstream or pool.for_repository(
                     repo.name, repo.upstreams, repo.allow_hosts
@@ -259,6 +297,8 @@ async def _engine(
                 package_names=built.package_names,
                 json_errors=frozenset(built.json_errors),
                 started_at_ms=clock.now_ms(),
+                policies=policies,
+                gates=built.gates,
             )
             try:
                 yield engine
@@ -275,12 +315,21 @@ async def _engine(
         metrics.mark_process_dead(os.getpid())
 
 
+def cooldowns(settings: Settings) -> dict[str, float | None]:
+    """Each repository's own ``cooldown`` (None: ``[policy].cooldown``)."""
+    return {repo.name: repo.cooldown_s for repo in settings.repositories}
+
+
 @dataclass
 class Repositories:
     """Each repository built on what its format declares (``contract.Proxying``,
-    ``Hosting``, ``Mirroring``): its adapter, and what the engine keeps about it."""
+    ``Hosting``, ``Mirroring``, ``Releases``): its adapter, and what the engine keeps
+    about it."""
 
+    documents: Documents
+    policies: Policies
     adapters: dict[str, Adapter] = field(default_factory=dict)
+    gates: dict[str, ReleaseGate] = field(default_factory=dict)
     size_limits: dict[str, int] = field(default_factory=dict)  # hosted, kept under a size
     # Proxying repositories without an upstream -> the 503 message naming the setting.
     not_configured: dict[str, str] = field(default_factory=dict)
@@ -308,12 +357,25 @@ class Repositories:
             self.json_errors.add(repo.name)
         if plugin.proxying is not None:
             view = ProxiedView(
-                cache, repo.name, repo.format, upstream, cpu, repo.max_file_size, package_of
-            )
+                cache, repo.name, repo.format, upstream, cpu, self.documents,
+                repo.max_file_size, package_of,
+            )  # fmt: skip
             self.views[repo.name] = view
             context = ProxyContext(cache=view, compute=cpu.run, responses=responses)
             adapter = _checked(plugin, "proxying", plugin.proxying.build(repo, context))
             self.adapters[repo.name] = adapter
+            if plugin.releases is not None and plugin.packages is not None:
+                gate = ReleaseGate(
+                    repo.name,
+                    self.policies,
+                    plugin.releases,
+                    plugin.packages.of,
+                    PublishTimes(repo.name, cache.catalog, cache.clock),
+                    cache.clock,
+                )
+                gate.bind(adapter, view)
+                view.gate = gate
+                self.gates[repo.name] = gate
             if plugin.mirroring is not None:
                 self.mirror_sources[repo.name] = MirrorSource(
                     plugin.mirroring.purl_types,

@@ -7,6 +7,7 @@
     │   ├── BadRequest         400
     │   ├── Unauthorized       401, with the format's challenge
     │   ├── Forbidden          403
+    │   │   └── ReleaseWithheld    the release policy holds or denies this version
     │   ├── NotFound           404: confirmed missing upstream, or never listed
     │   │   └── NotSupported     an endpoint of the protocol the proxy does not offer
     │   ├── MethodNotAllowed   405, with the methods allowed
@@ -91,6 +92,16 @@ class Unauthorized(ClientError):
 
 class Forbidden(ClientError):
     pass
+
+
+class ReleaseWithheld(Forbidden):
+    """The release policy holds back or denies the version a key belongs to. ``problem``
+    is the RFC 9457 problem document (the same facts as the message), for clients that
+    ask for ``application/problem+json``."""
+
+    def __init__(self, message: str, problem: dict[str, object]) -> None:
+        super().__init__(message)
+        self.problem = problem
 
 
 class NotFound(ClientError):

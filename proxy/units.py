@@ -1,6 +1,7 @@
-"""Human-written durations ("15s", "10m", "250ms") and sizes ("512MiB", "10GB").
+"""Human-written durations ("15s", "10m", "250ms"), sizes ("512MiB", "10GB") and
+points in time ("2026-11-01T00:00:00Z").
 
-Both parsers raise ``ValueError`` with a message that shows an accepted spelling;
+The parsers raise ``ValueError`` with a message that shows an accepted spelling;
 ``config/load.py`` prefixes it with the key that held the value.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import UTC, datetime
 
 MAX_DURATION_S = 100 * 365 * 86400.0  # a century: longer is a typo, and overflows timestamps
 MAX_SIZE_BYTES = 2**62
@@ -103,3 +105,29 @@ def format_duration(seconds: float) -> str:
     if seconds == 0:
         return "0"
     return f"{seconds * 1000:g}ms"
+
+
+def parse_timestamp(value: object) -> int:
+    """Unix milliseconds from an RFC 3339 date and time with its offset
+    (``"2026-11-01T00:00:00Z"``), or a TOML offset date-time (a ``datetime`` with tzinfo)."""
+    moment: datetime | None = None
+    if isinstance(value, datetime):
+        moment = value
+    elif isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value.strip())
+        except ValueError:
+            moment = None
+    if moment is None or moment.tzinfo is None or moment.utcoffset() is None:
+        raise ValueError(
+            f'{value!r} is not a date and time with its offset; use e.g. "2026-11-01T00:00:00Z"'
+        )
+    return int(moment.timestamp() * 1000)
+
+
+def format_timestamp(at_ms: int) -> str:
+    """``"2026-11-01T00:00:00Z"`` (RFC 3339, UTC; milliseconds only when there are some)."""
+    moment = datetime.fromtimestamp(at_ms / 1000, UTC)
+    if at_ms % 1000:
+        return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at_ms % 1000:03d}Z"
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -270,11 +270,13 @@ def test_every_answer_matches_its_openapi_schema(proxied: str, upstream: FakeUps
     registry: Registry[Any] = Registry().with_resource(
         "urn:openapi", Resource.from_contents(document, default_specification=DRAFT202012)
     )
-    upstream.fault("/simple/gamma/", hang=True)  # a download in flight, a running run
+    # A download in flight, a running run: of a project whose page is not cached yet
+    # (one stored page model serves every representation, so a cached one is no fetch).
+    upstream.add_project("epsilon", [ProjectFile("epsilon-1.0.tar.gz", b"epsilon 1.0")])
+    upstream.fault("/simple/epsilon/", hang=True)
     with client(proxied) as api_client:
-        run_id = api_client.post("/api/v1/mirror-runs", json={"purls": ["pkg:pypi/gamma"]}).json()[
-            "id"
-        ]
+        run = api_client.post("/api/v1/mirror-runs", json={"purls": ["pkg:pypi/epsilon"]})
+        run_id = run.json()["id"]
         wait_until("the download", lambda: api_client.get("/api/v1/in-flight").json()["in_flight"])
         asked = [
             ("/api/v1/stats", "/api/v1/stats", "get"),

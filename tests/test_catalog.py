@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -119,6 +120,38 @@ async def test_a_repository_link_store_records_only_its_own_links(catalog: Catal
     assert await catalog.get_link("other", "files/p/f.whl") is None
     await store.record(LinkBatch.encode(foreign[:1]))
     assert await store.get("files/p/ok.whl") == foreign[0]
+
+
+async def test_publish_times_first_seen_once_and_upstream_times_kept(catalog: Catalog) -> None:
+    """The release policy's publish times (docs/architecture.md, "Release policy"): a
+    key's first sight is recorded once and never reset, also when its entry goes; an
+    upstream's time, once learnt, stays."""
+
+    async def first_seen(repository: str, keys: list[str], at_ms: int) -> dict[str, int]:
+        seen: dict[str, int] = json.loads(
+            await catalog.record_first_sight(repository, json.dumps(keys), at_ms)
+        )
+        return seen
+
+    assert await first_seen("r", [], 1) == {}
+    seen = await first_seen("r", ["files/p/a.whl", "files/p/b.whl"], 1000)
+    assert seen == {"files/p/a.whl": 1000, "files/p/b.whl": 1000}
+    await catalog.put_entry(_entry("files/p/a.whl"))
+    await catalog.delete_entry("r", "files/p/a.whl", None)
+    again = await first_seen("r", ["files/p/a.whl", "files/p/c.whl"], 5000)
+    assert again == {"files/p/a.whl": 1000, "files/p/c.whl": 5000}  # never reset
+    assert await first_seen("other", ["files/p/a.whl"], 7000) == {"files/p/a.whl": 7000}
+    await catalog.record_upstream_time("r", "g/a/1/a-1.pom", 300, 9000)
+    await catalog.record_upstream_time("r", "g/a/1/a-1.pom", 400, 9500)  # the first stays
+    await catalog.record_upstream_time("r", "files/p/a.whl", 200, 9000)
+    known = await catalog.known_times("r", ["g/a/1/a-1.pom", "files/p/a.whl", "absent"])
+    assert known["g/a/1/a-1.pom"].upstream_ms == 300
+    assert known["g/a/1/a-1.pom"].first_seen_ms == 9000
+    assert (known["files/p/a.whl"].first_seen_ms, known["files/p/a.whl"].upstream_ms) == (
+        1000,
+        200,
+    )
+    assert "absent" not in known
 
 
 async def test_job_runs_once_per_interval_and_give_back(catalog: Catalog) -> None:

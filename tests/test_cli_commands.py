@@ -8,14 +8,17 @@ import json
 import os
 import subprocess
 import sys
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncpg
 import pytest
 
 from tests.conftest import write_config
+from tests.upstream import FakeUpstream, ProjectFile
 
-COMMANDS = ("serve", "check-config", "migrate", "gc", "stats", "mirror", "jobs")
+COMMANDS = ("serve", "check-config", "migrate", "gc", "stats", "mirror", "jobs", "policy")
 
 
 def run(
@@ -272,3 +275,52 @@ def test_mirror_json_output(tmp_path: Path) -> None:
     assert done.returncode == 1
     summary = json.loads(done.stdout)
     assert summary["failed"] == 1 and summary["fetched"] == 0
+
+
+def test_policy_explain_prints_each_decision_and_why(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    now = time.time()
+    for version, age_days in (("1.0", 30), ("2.0", 1)):
+        upload = datetime.fromtimestamp(now - age_days * 86400, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        upstream.projects.setdefault("demo", []).append(
+            ProjectFile(f"demo-{version}.tar.gz", b"sdist " + version.encode(), upload_time=upload)
+        )
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [policy]
+        cooldown = "3d"
+        [[policy.rules]]
+        match = "pkg:pypi/demo"
+        versions = "vers:pypi/>=3"
+        action = "deny"
+        reason = "INC-7"
+        [[repositories]]
+        name = "pypi"
+        format = "pypi"
+        upstream = "{upstream.base_url}/simple/"
+        """,
+    )
+    every = run(tmp_path, "policy", "explain", "-c", str(config), "pkg:pypi/demo")
+    assert every.returncode == 0, every.stderr
+    lines = every.stdout.splitlines()
+    assert lines[0].startswith(
+        "pypi: pkg:pypi/demo@1.0 is allowed by the release policy (policy.cooldown): published "
+    )
+    assert lines[1].startswith("pypi: pkg:pypi/demo@2.0 is held back until ")
+    assert "(upload-time); the cooldown of 3d (policy.cooldown) holds it until" in lines[1]
+    assert lines[-1] == "mode: enforce"
+    one = run(tmp_path, "policy", "explain", "-c", str(config), "--json", "pkg:pypi/demo@3.0")
+    assert one.returncode == 0, one.stderr
+    [decision] = json.loads(one.stdout)["decisions"]
+    assert decision["action"] == "deny" and decision["reason"] == "INC-7"
+    assert decision["setting"] == "policy.rules[0]" and decision["repository"] == "pypi"
+    # Nothing was served: the page was fetched once, no file at all.
+    assert upstream.count("/simple/demo/") == 1
+    assert not any(path.startswith("/packages/") for _, path in upstream.requests)
+    other = run(tmp_path, "policy", "explain", "-c", str(config), "pkg:gem/rails")
+    assert other.returncode == 1
+    assert "judges no 'gem' packages in any (it judges pypi)" in other.stderr

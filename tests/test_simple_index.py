@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+from proxy.contract import View
 from proxy.formats import simple_index as si
+from proxy.formats import simple_model as sm
 
 PIP_ACCEPT = (
     "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html; q=0.1, "
@@ -112,12 +114,12 @@ def test_render_round_trip() -> None:
         "A",
         [si.FileLink("a-1.0.tar.gz", "https://x/a-1.0.tar.gz", {"sha256": "ab"}, yanked=True)],
     )
-    html = si.render_project(page, "a", "html").decode()
+    html = sm.render(sm.dump(page, "a"), View(), "html").decode()
     assert 'href="../../files/a/a-1.0.tar.gz#sha256=ab"' in html and 'data-yanked=""' in html
-    data = json.loads(si.render_project(page, "a", "json"))
+    data = json.loads(sm.render(sm.dump(page, "a"), View(), "json"))
     assert data["meta"]["api-version"] == "1.0"  # no sizes: 1.1 is not promised
     assert data["files"][0]["url"] == "../../files/a/a-1.0.tar.gz"
-    assert si.file_href("a", "a b#c.whl") == "../../files/a/a%20b%23c.whl"
+    assert sm.file_href("a", "a b#c.whl") == "../../files/a/a%20b%23c.whl"
 
 
 def test_json_text_that_is_not_unicode_text_is_dropped() -> None:
@@ -135,7 +137,7 @@ def test_json_text_that_is_not_unicode_text_is_dropped() -> None:
     assert page.name == "ok" and page.versions == ["1.0"]
     assert [f.filename for f in page.files] == ["ok-1.0.tar.gz"]
     for representation in ("json", "html"):
-        assert b"ok-1.0.tar.gz" in si.render_project(page, "ok", representation)
+        assert b"ok-1.0.tar.gz" in sm.render(sm.dump(page, "ok"), View(), representation)
     root = json.dumps({"projects": [{"name": "ok"}, {"name": "\udc00x"}]}).encode()
     parsed = si.parse_root(root, si.JSON_V1)
     assert parsed.projects == ["ok"]

@@ -55,6 +55,7 @@ class ProjectFile:
     metadata: bytes | None = None  # the PEP 658 sidecar, if advertised
     listed_sha256: str | None = None  # override the hash the index lists
     unhashed: bool = False  # listed with no hash at all (nothing verifies its bytes)
+    upload_time: str | None = None  # PEP 700, in the JSON page (e.g. "2026-11-01T00:00:00Z")
 
     @property
     def sha256(self) -> str:
@@ -242,6 +243,8 @@ class FakeUpstream:
                         item["yanked"] = f.yanked
                     if f.metadata is not None:
                         item["core-metadata"] = {"sha256": hashlib.sha256(f.metadata).hexdigest()}
+                    if f.upload_time is not None:
+                        item["upload-time"] = f.upload_time
                     items.append(item)
                 data = {
                     "meta": {"api-version": "1.1"},
@@ -274,7 +277,7 @@ class FakeUpstream:
 
 
 def _version_of(filename: str) -> str:
-    return filename.split("-")[1] if "-" in filename else "0"
+    return filename.split("-")[1].removesuffix(".tar.gz") if "-" in filename else "0"
 
 
 async def _send(

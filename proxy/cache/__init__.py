@@ -183,9 +183,20 @@ class Cache:
         """Serve a stored entry: as is, or with its base-URL marks replaced by
         ``base_url`` (docs/architecture.md, "Requests"). Raises FileNotFoundError if its
         blob is gone."""
+        return await self.render_body(entry, self.body(entry), request, extra, base_url)
+
+    async def render_body(
+        self,
+        entry: Entry,
+        body: BlobBody,
+        request: Request,
+        extra: Mapping[str, str],
+        base_url: str | None = None,
+    ) -> Response:
+        """Serve ``entry`` with its bytes from ``body`` (an index document's rendering is
+        a file of its own). Raises FileNotFoundError if they are gone."""
         assert entry.sha256 is not None
         now_ms = self.clock.now_ms()
-        body = self.body(entry)
         if base_url is not None:
             return await responses.relocated_blob(
                 request.headers, request.method, entry, body, self.hot, self.marks, extra,

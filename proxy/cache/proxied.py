@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from proxy.cache import Cache
+from proxy.cache.documents import Documents, Judged, Listed, Rendering
 from proxy.catalog import Catalog, Entry
 from proxy.config.settings import DEFAULT_MAX_FILE_SIZE
 from proxy.contract import (
@@ -22,12 +24,15 @@ from proxy.contract import (
     Request,
     Response,
     UpstreamClient,
+    View,
     WarmResult,
 )
 from proxy.exceptions import NotFound, RetryLater, StorageError, UpstreamError
 from proxy.fetch.fetcher import Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
 from proxy.http import responses
 from proxy.http.access_log import note_outcome
+from proxy.http.responses import FileBody
+from proxy.policy.gate import ReleaseGate
 from proxy.runtime import metrics
 from proxy.runtime.blocking import CpuPool, run_blocking
 from proxy.types import Digests, Kind, Link, LinkBatch
@@ -57,8 +62,21 @@ class CatalogLinks:
         return await self.catalog.get_link(self.repository, key)
 
 
+@dataclass(frozen=True)
+class _Copy:
+    """The stored form of an index document being served: its blob, its entry (None
+    for a body never stored, TTL 0, written as a blob only to be rendered) and whether
+    it is a stale copy."""
+
+    sha256: str
+    size: int
+    entry: Entry | None
+    stale: bool = False
+
+
 class ProxiedView:
-    """``contract.ProxyCache`` for one repository."""
+    """``contract.ProxyCache`` for one repository; also where its release gate reads
+    publish times (``policy.times.ReleaseSource``)."""
 
     def __init__(
         self,
@@ -67,6 +85,7 @@ class ProxiedView:
         format_name: str,
         upstream: UpstreamClient,
         cpu: CpuPool,
+        documents: Documents,
         max_file_size: int = DEFAULT_MAX_FILE_SIZE,
         package_of: Callable[[str], PackageVersion | None] | None = None,
     ) -> None:
@@ -80,6 +99,8 @@ class ProxiedView:
         self.hits = 0
         self.misses = 0
         self.links = CatalogLinks(cache.catalog, name)
+        self.documents = documents
+        self.gate: ReleaseGate | None = None  # the release policy, if the format has releases
         self.origin_context = OriginContext(
             upstream=upstream, links=self.links, get=self.warm, compute=cpu.run
         )
@@ -153,8 +174,17 @@ class ProxiedView:
         request: Request,
         headers: Mapping[str, str] | None = None,
         digest_headers: Callable[[Digests], Mapping[str, str]] | None = None,
+        representation: str = "",
     ) -> Response:
+        # Before any answer (GET, HEAD, Range, 304, cached or not): a held or denied
+        # release is refused on every path (docs/architecture.md, "Release policy").
+        if self.gate is not None:
+            await self.gate.check(spec.key)
         extra = dict(headers or {})
+        if spec.model is not None:
+            return await self._respond_document(
+                spec, request, extra, representation, digest_headers
+            )
         outcome, _hit = await self._outcome(spec)
         for attempt in (1, 2):
             answer_headers = extra
@@ -208,7 +238,11 @@ class ProxiedView:
             )
         raise NotFound(outcome.message)
 
-    async def served_digests(self, spec: FetchSpec) -> Digests:
+    async def served_digests(self, spec: FetchSpec, representation: str = "") -> Digests:
+        if self.gate is not None:
+            await self.gate.check(spec.key)
+        if spec.model is not None:
+            return await self._document_digests(spec, representation)
         existing = await self.cache.lookup(self.name, spec.key, spec)
         if existing is not None and existing.sha256 is not None:
             return existing.digests  # expired or not: it is what clients were given
@@ -222,7 +256,9 @@ class ProxiedView:
             return await run_blocking(_digests_of, outcome.body, ("sha256", *spec.digests))
         return (await self._entry_of(spec, outcome, "checksum not available yet")).digests
 
-    async def read(self, spec: FetchSpec, limit: int) -> bytes:
+    async def read(self, spec: FetchSpec, limit: int, representation: str = "") -> bytes:
+        if spec.model is not None and representation:
+            return await self._read_document(spec, limit, representation)
         outcome, _hit = await self._outcome(spec)
         for attempt in (1, 2):
             if isinstance(outcome, Missing):
@@ -256,6 +292,198 @@ class ProxiedView:
             entry = await outcome.transfer.result()
             return WarmResult("fetched", entry.size if entry is not None else 0)
         return WarmResult("cached" if hit else "fetched", outcome.entry.size)
+
+    # -- index documents (docs/architecture.md, "Index documents") -------------------------
+
+    async def _respond_document(
+        self,
+        spec: FetchSpec,
+        request: Request,
+        extra: dict[str, str],
+        representation: str,
+        digest_headers: Callable[[Digests], Mapping[str, str]] | None,
+    ) -> Response:
+        """An index document, rendered from its stored model as the policy says, fresh
+        or stale alike, in the representation the adapter chose."""
+        copy = await self._copy(spec, (await self._outcome(spec))[0])
+        rendering, judged, copy = await self._rendered(spec, copy, representation)
+        if judged.count is not None:
+            judged.count()
+        for attempt in (1, 2):
+            try:
+                headers = extra
+                if digest_headers is not None and not rendering.marks:
+                    # The digests of the rendering: the very bytes sent (computed once).
+                    digests = await rendering.digests(("sha256", *spec.digests))
+                    headers = {**extra, **digest_headers(digests)}
+                return await self._rendered_answer(spec, rendering, judged, copy, request, headers)
+            except FileNotFoundError:
+                if attempt == 2:
+                    break
+                # The rendering's file went (another process's renderings): render it again.
+                self.documents.forget(self.name, copy.sha256, representation, judged)
+                rendering, judged, copy = await self._rendered(spec, copy, representation)
+        raise self._vanished(spec)
+
+    async def _copy(self, spec: FetchSpec, outcome: Outcome) -> _Copy:
+        if isinstance(outcome, Missing):
+            raise NotFound(outcome.message)
+        if isinstance(outcome, Inline):
+            sha256 = await self.documents.keep(outcome.body)
+            return _Copy(sha256, len(outcome.body), None)
+        entry = await self._entry_of(spec, outcome, "stored but not recorded")
+        assert entry.sha256 is not None
+        return _Copy(entry.sha256, entry.size, entry, stale=isinstance(outcome, Stale))
+
+    def _model_path(self, copy: _Copy) -> Callable[[], Awaitable[str]]:
+        """Where a complete copy of the document's model is on this host, made on demand
+        (object storage: filled into the local tier); FileNotFoundError if it is gone."""
+
+        async def path() -> str:
+            if copy.entry is None:
+                return self.documents.path_of(copy.sha256)
+            return await self.cache.body(copy.entry).complete_path()
+
+        return path
+
+    async def _rendered(
+        self, spec: FetchSpec, copy: _Copy, representation: str
+    ) -> tuple[Rendering, Judged, _Copy]:
+        """What the document lists, what the policy decided for it, and its rendering,
+        each kept by the stored body's sha256 (``cache/documents.py``); if the model's
+        blob went away meanwhile, it is fetched again, once."""
+        for attempt in (1, 2):
+            try:
+                return (*(await self._render_copy(spec, copy, representation)), copy)
+            except FileNotFoundError:
+                if attempt == 2 or copy.entry is None:
+                    break
+                copy = await self._copy(spec, await self._refetch(spec, copy.entry))
+        raise self._vanished(spec)
+
+    async def _render_copy(
+        self, spec: FetchSpec, copy: _Copy, representation: str
+    ) -> tuple[Rendering, Judged]:
+        model = spec.model
+        assert model is not None
+        path = self._model_path(copy)
+        listed = await self.documents.listed(self.name, model, copy.sha256, copy.size, path)
+        gate = self.gate
+        judge = gate.judge if gate is not None else _plain
+        generation = gate.policies.current.generation if gate is not None else 0
+        judged = await self.documents.judged(
+            self.name, spec.key, listed, copy.sha256, judge, generation
+        )
+        rendering = self.documents.rendered(self.name, copy.sha256, representation, judged)
+        if rendering is None:
+            rendering = await self.documents.render(
+                self.name, model, copy.sha256, copy.size, path, listed, judged, representation
+            )
+        return rendering, judged
+
+    async def _rendered_answer(
+        self,
+        spec: FetchSpec,
+        rendering: Rendering,
+        judged: Judged,
+        copy: _Copy,
+        request: Request,
+        extra: dict[str, str],
+    ) -> Response:
+        """Serve a rendering as a stored entry is served (ETag, 304, Range, HEAD), with
+        the stored copy's Last-Modified and a max-age that never outlasts a hold it
+        reflects. FileNotFoundError if its file is gone."""
+        now_ms = self.cache.clock.now_ms()
+        entry = copy.entry
+        if entry is None:
+            extra = {**extra, "cache-control": "no-cache"}  # never stored (TTL 0)
+        elif copy.stale:
+            note_outcome("stale")
+            extra = {**extra, "warning": '110 - "Response is Stale"', "cache-control": "no-cache"}
+        else:
+            max_age_s = entry.max_age_s(now_ms)
+            if judged.until_ms is not None:
+                # A shared cache must not keep it past the end of a hold it reflects.
+                max_age_s = max(0, min(max_age_s, (judged.until_ms - now_ms) // 1000))
+            policy = responses.cache_control(Kind.METADATA, max_age_s)
+            extra = {**extra, "cache-control": policy.decode()}
+        served = Entry(
+            repository=self.name,
+            key=spec.key,
+            kind=Kind.METADATA,
+            sha256=rendering.sha256,
+            size=rendering.size,
+            content_type=entry.content_type if entry is not None else None,
+            fetched_at_ms=entry.fetched_at_ms if entry is not None else now_ms,
+            expires_at_ms=None,
+            last_modified=entry.last_modified if entry is not None else None,
+        )
+        # Absolute URLs back to the proxy: the client's own, never stored.
+        base_url = request.base_url if rendering.marks else None
+        return await self.cache.render_body(
+            served, FileBody(rendering.path), request, extra, base_url
+        )
+
+    async def _document_digests(self, spec: FetchSpec, representation: str) -> Digests:
+        existing = await self.cache.lookup(self.name, spec.key, spec)
+        if existing is not None and existing.sha256 is not None:
+            # Expired or not: it is what clients were given.
+            copy = _Copy(existing.sha256, existing.size, existing)
+        else:
+            copy = await self._copy(spec, (await self._outcome(spec))[0])
+        rendering, judged, copy = await self._rendered(spec, copy, representation)
+        try:
+            return await rendering.digests(("sha256", *spec.digests))
+        except FileNotFoundError:
+            self.documents.forget(self.name, copy.sha256, representation, judged)
+            rendering, judged, copy = await self._rendered(spec, copy, representation)
+            return await rendering.digests(("sha256", *spec.digests))
+
+    async def _read_document(self, spec: FetchSpec, limit: int, representation: str) -> bytes:
+        copy = await self._copy(spec, (await self._outcome(spec))[0])
+        rendering, judged, copy = await self._rendered(spec, copy, representation)
+        if rendering.size > limit:
+            raise UpstreamError(f"{spec.key}: {rendering.size} bytes, over {limit}")
+        try:
+            return await rendering.read()
+        except FileNotFoundError:
+            self.documents.forget(self.name, copy.sha256, representation, judged)
+            rendering, judged, copy = await self._rendered(spec, copy, representation)
+            return await rendering.read()
+
+    # -- what the release gate reads (policy.times.ReleaseSource) ------------------------
+
+    async def listed(self, spec: FetchSpec, refresh: bool = False) -> Listed | None:
+        assert spec.model is not None
+        entry = None if refresh else await self.cache.lookup(self.name, spec.key, spec)
+        if entry is not None and entry.kind is Kind.METADATA and entry.sha256 is not None:
+            copy = _Copy(entry.sha256, entry.size, entry)  # a stale copy tells times too
+        else:
+            outcome, _hit = await self._outcome(spec)
+            if isinstance(outcome, Missing):
+                return None
+            copy = await self._copy(spec, outcome)
+        for attempt in (1, 2):
+            try:
+                return await self.documents.listed(
+                    self.name, spec.model, copy.sha256, copy.size, self._model_path(copy)
+                )
+            except FileNotFoundError:
+                if attempt == 2 or copy.entry is None:
+                    break
+                copy = await self._copy(spec, await self._refetch(spec, copy.entry))
+        raise self._vanished(spec)
+
+    async def stored(self, spec: FetchSpec) -> Entry | None:
+        outcome, _hit = await self._outcome(spec)
+        if isinstance(outcome, Missing | Inline):
+            return None
+        return await self._entry_of(spec, outcome, "stored but not recorded")
+
+
+async def _plain(key: str, listed: Listed) -> Judged:
+    """The judgement of a document where no policy applies: nothing withheld."""
+    return Judged(View(), "")
 
 
 def _digests_of(body: bytes, names: Iterable[str]) -> Digests:

@@ -151,6 +151,16 @@ class Removed:
 
 
 @dataclass(frozen=True, slots=True)
+class KnownTimes:
+    """What the catalog keeps of one listed file's publish time (docs/architecture.md,
+    "Release policy"): when this fleet first saw it, and the upstream's time once learnt
+    from its Last-Modified."""
+
+    first_seen_ms: int
+    upstream_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class JobRun:
     """A job's last run as ``job_runs`` records it; times are the database's Unix ms."""
 
@@ -344,6 +354,25 @@ class Catalog(Protocol):
     async def put_links(self, links: Sequence[Link] | LinkBatch) -> None: ...
 
     async def get_link(self, repository: str, key: str) -> Link | None: ...
+
+    # -- publish times (docs/architecture.md, "Release policy") ----------------------------
+    async def record_first_sight(self, repository: str, keys_json: str, at_ms: int) -> str:
+        """Record ``at_ms`` as the first sight of each key (``keys_json``: a JSON array)
+        not seen before: a key seen before keeps its time, never reset, also when its
+        entry is evicted. Every key's first sight, as a JSON object (key -> Unix ms): a
+        page of 100,000 files travels as two texts, not 100,000 rows."""
+        ...
+
+    async def known_times(self, repository: str, keys: Sequence[str]) -> dict[str, KnownTimes]:
+        """The times kept for those of ``keys`` that have any."""
+        ...
+
+    async def record_upstream_time(
+        self, repository: str, key: str, upstream_ms: int, at_ms: int
+    ) -> None:
+        """Keep the publish time an upstream stated for ``key`` (the first one learnt
+        stays); ``at_ms`` is its first sight if it had none."""
+        ...
 
     # -- fetch leases (docs/architecture.md, "Fetch leases") -------------------------------
     async def claim_lease(

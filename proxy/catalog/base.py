@@ -21,6 +21,7 @@ from proxy.catalog import (
     InFlight,
     JobFailure,
     JobRun,
+    KnownTimes,
     LeaseGrant,
     LeaseRow,
     MirrorRun,
@@ -196,6 +197,28 @@ class SqlCatalog:
             digests=json.loads(row["digests"]),
             size=row["size"],
         )
+
+    # -- publish times -------------------------------------------------------------------
+
+    async def record_first_sight(self, repository: str, keys_json: str, at_ms: int) -> str:
+        await self._execute("record_first_seen", repository, keys_json, at_ms)
+        row = await self._fetchrow("select_first_seen", repository, keys_json)
+        seen: str = row["seen"]
+        return seen
+
+    async def known_times(self, repository: str, keys: Sequence[str]) -> dict[str, KnownTimes]:
+        if not keys:
+            return {}
+        rows = await self._fetch("select_publish_times", repository, json.dumps(list(keys)))
+        return {
+            row["key"]: KnownTimes(int(row["first_seen_ms"]), _int_or_none(row["upstream_ms"]))
+            for row in rows
+        }
+
+    async def record_upstream_time(
+        self, repository: str, key: str, upstream_ms: int, at_ms: int
+    ) -> None:
+        await self._execute("record_upstream_time", repository, key, upstream_ms, at_ms)
 
     # -- fetch leases ------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from proxy.config.options import (
     Rate,
     Size,
     Text,
+    Timestamp,
     Urls,
     options_of,
 )
@@ -59,6 +60,7 @@ from proxy.config.settings import (
     DEFAULT_MIRROR_INTERVAL_S,
     DEFAULT_MIRROR_VERSIONS,
     DEFAULT_PARSE_TIMEOUT_S,
+    DEFAULT_POLICY_MODE,
     DEFAULT_POOL_IDLE_TIMEOUT_S,
     DEFAULT_POOL_SIZE,
     DEFAULT_READ_TIMEOUT_S,
@@ -69,9 +71,13 @@ from proxy.config.settings import (
     DEFAULT_SWEEP_INTERVAL_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
     DEFAULT_TRUSTED_PROXIES,
+    DEFAULT_UNKNOWN_PUBLISH_TIME,
     DEFAULT_WORKERS,
     LOG_FORMATS,
     MIRROR_VERSIONS,
+    POLICY_MODES,
+    RULE_ACTIONS,
+    UNKNOWN_PUBLISH_TIMES,
     AdminSettings,
     AdminUser,
     DatabaseSettings,
@@ -79,6 +85,8 @@ from proxy.config.settings import (
     LeaseSettings,
     MirrorSettings,
     ObjectStorageSettings,
+    PolicyRule,
+    PolicySettings,
     RepositorySettings,
     Settings,
     StorageSettings,
@@ -86,9 +94,10 @@ from proxy.config.settings import (
     UpstreamSettings,
     upstream_env_var,
 )
-from proxy.contract import ENGINE_REPOSITORY_KEYS, FormatPlugin
+from proxy.contract import ENGINE_REPOSITORY_KEYS, RELEASE_REPOSITORY_KEYS, FormatPlugin
 from proxy.exceptions import ConfigError, InvalidPlugin
 from proxy.mirror.purls import parse_purl
+from proxy.policy.rules import parse_match, parse_versions
 from proxy.redaction import redact_url
 from proxy.upstream.ssrf import relay_url_problem
 
@@ -96,6 +105,8 @@ RETENTION = Duration(positive=True)
 # First path segments the proxy answers itself (a repository cannot be named so).
 RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico", "ui", "api"})
 _REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_RULE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RULE_KEYS = frozenset({"match", "versions", "action", "cooldown", "reason", "name"})
 _ENV_REF_RE = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 # What botocore accepts as a region (botocore.utils.validate_region_name); anything
@@ -258,7 +269,7 @@ class _Parser:
     def settings(self, raw: dict[str, Any], source: str) -> Settings | None:
         known = {
             "server", "database", "storage", "upstream", "leases", "jobs", "repositories",
-            "mirrors", "admin",
+            "mirrors", "admin", "policy",
         }  # fmt: skip
         for key in raw:
             if key not in known:
@@ -465,6 +476,7 @@ class _Parser:
             env_vars.setdefault(env_var, repo.name)
             repositories.append(repo)
         mirrors = self.mirrors(raw.get("mirrors", []), repositories, source)
+        policy = self.policy(raw)
 
         if self.errors:
             return None
@@ -492,6 +504,7 @@ class _Parser:
             relay_host=relay_host,
             relay_port=relay_port,
             relay_url=relay_url or None,
+            policy=policy,
         )
 
     def database(self, database: dict[str, Any], database_url: str) -> DatabaseSettings:
@@ -693,6 +706,8 @@ class _Parser:
         is_proxy = plugin.proxying is not None
         if is_proxy:
             allowed |= set(ENGINE_REPOSITORY_KEYS)
+        if plugin.releases is not None:
+            allowed |= set(RELEASE_REPOSITORY_KEYS)
         for key in raw:
             if key not in allowed:
                 self.error(
@@ -717,6 +732,9 @@ class _Parser:
             allow_hosts = self.value(raw, where, "allow_hosts", Hosts(), ())
             retention_s = self.value(raw, where, "retention", RETENTION)
             max_file_size = self.value(raw, where, "max_file_size", Size(), DEFAULT_MAX_FILE_SIZE)
+        cooldown_s = None
+        if plugin.releases is not None:
+            cooldown_s = self.value(raw, where, "cooldown", Duration())
         if len(self.errors) > errors_before:
             return None
         options = plugin.options(**values)
@@ -731,6 +749,7 @@ class _Parser:
             allow_hosts=allow_hosts,
             retention_s=retention_s,
             max_file_size=max_file_size,
+            cooldown_s=cooldown_s,
         )
 
     def upstreams(
@@ -753,6 +772,109 @@ class _Parser:
         if value is None:
             return ()
         return kind.parse(value, key, self) or ()
+
+    # -- the release policy ----------------------------------------------------------------
+
+    def policy(self, raw: dict[str, Any]) -> PolicySettings:
+        """``[policy]`` and its ``[[policy.rules]]`` (docs/architecture.md, "Release
+        policy")."""
+        table = self.table(
+            raw, "policy", {"cooldown", "mode", "unknown_publish_time", "exclude_newer", "rules"}
+        )
+        raw_rules = table.get("rules", [])
+        if not isinstance(raw_rules, list):
+            self.error("policy.rules", "must be an array of tables ([[policy.rules]])")
+            raw_rules = []
+        judged = _judged_purl_types() if raw_rules else []
+        rules = [self.policy_rule(rule, i, judged) for i, rule in enumerate(raw_rules)]
+        names: dict[str, int] = {}
+        for rule in rules:
+            if rule is not None and rule.name is not None:
+                if rule.name in names:
+                    self.error(
+                        f"{rule.key}.name",
+                        f"{rule.name!r} is also the name of policy.rules[{names[rule.name]}]",
+                    )
+                names.setdefault(rule.name, rule.index)
+        return PolicySettings(
+            cooldown_s=self.value(table, "policy", "cooldown", Duration(), 0.0),
+            mode=self.value(table, "policy", "mode", Choice(*POLICY_MODES), DEFAULT_POLICY_MODE),
+            unknown_publish_time=self.value(
+                table,
+                "policy",
+                "unknown_publish_time",
+                Choice(*UNKNOWN_PUBLISH_TIMES),
+                DEFAULT_UNKNOWN_PUBLISH_TIME,
+            ),
+            exclude_newer_ms=self.value(table, "policy", "exclude_newer", Timestamp()),
+            rules=tuple(rule for rule in rules if rule is not None),
+        )
+
+    def policy_rule(self, raw: object, index: int, judged: list[str]) -> PolicyRule | None:
+        where = f"policy.rules[{index}]"
+        if not isinstance(raw, dict):
+            self.error(where, "must be a table")
+            return None
+        for key in raw:
+            if key not in RULE_KEYS:
+                self.error(
+                    f"{where}.{key}", f"unknown key; expected one of {', '.join(sorted(RULE_KEYS))}"
+                )
+        errors_before = len(self.errors)
+        match: str | None = self.value(raw, where, "match", Text())
+        purl_type: str | None = None
+        if match is None:
+            if "match" not in raw:
+                self.error(f"{where}.match", 'is required: a package URL, e.g. "pkg:pypi/requests"')
+        else:
+            try:
+                package, match = parse_match(match)
+                purl_type = package[0]
+            except ValueError as exc:
+                self.error(f"{where}.match", str(exc))
+            else:
+                if purl_type not in judged:
+                    self.error(
+                        f"{where}.match",
+                        f"{match!r}: the policy judges no {purl_type!r} packages; it judges "
+                        f"{', '.join(judged) or 'none'}",
+                    )
+                    purl_type = None
+        versions: str | None = self.value(raw, where, "versions", Text())
+        if versions is not None and purl_type is not None:
+            try:
+                versions = str(parse_versions(versions, purl_type))
+            except ValueError as exc:
+                self.error(f"{where}.versions", str(exc))
+        action = self.value(raw, where, "action", Choice(*RULE_ACTIONS))
+        cooldown_s = self.value(raw, where, "cooldown", Duration())
+        reason = self.value(raw, where, "reason", Text())
+        name = self.value(raw, where, "name", Text())
+        if name is not None and not _RULE_NAME_RE.match(name):
+            self.error(
+                f"{where}.name",
+                f"{name!r} is not a rule name; use up to 64 letters, digits, '.', '_' or '-' "
+                "(it becomes a metric label)",
+            )
+        if action is not None and cooldown_s is not None:
+            self.error(
+                f"{where}.cooldown",
+                f'a rule with action = "{action}" has no cooldown; leave out one of them',
+            )
+        if action is None and cooldown_s is None and len(self.errors) == errors_before:
+            self.error(where, 'needs an action ("allow" or "deny") or a cooldown')
+        if len(self.errors) > errors_before:
+            return None
+        assert match is not None
+        return PolicyRule(
+            index=index,
+            match=match,
+            versions=versions,
+            action=action,
+            cooldown_s=cooldown_s,
+            reason=reason,
+            name=name,
+        )
 
     # -- mirrors ------------------------------------------------------------------------
 
@@ -1003,6 +1125,20 @@ class _Parser:
                 f"{redact_url(value)!r}: the scheme must be sqlite:/// or postgresql://",
             )
         return False
+
+
+def _judged_purl_types() -> list[str]:
+    """The purl types of the formats whose releases the policy judges (a format that
+    cannot be loaded judges none: its repositories report why)."""
+    types = set()
+    for name in formats.REGISTRY:
+        try:
+            releases = formats.plugin(name).releases
+        except InvalidPlugin:
+            continue
+        if releases is not None:
+            types.add(releases.purl_type)
+    return sorted(types)
 
 
 def _no_password() -> str:

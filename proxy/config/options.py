@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import urlsplit
 
-from proxy.units import format_duration, format_size, parse_duration, parse_size
+from proxy.units import (
+    format_duration,
+    format_size,
+    format_timestamp,
+    parse_duration,
+    parse_size,
+    parse_timestamp,
+)
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -173,6 +180,21 @@ class Percent:
 
     def render(self, value: float) -> str:
         return f'"{round(value * 100, 2):g}%"'
+
+
+class Timestamp:
+    """A point in time with its offset: ``"2026-11-01T00:00:00Z"`` or a TOML offset
+    date-time (unquoted) -> Unix milliseconds."""
+
+    def parse(self, value: object, key: str, report: Reporter) -> int | None:
+        try:
+            return parse_timestamp(_expanded(value, key, report))
+        except ValueError as exc:
+            report.error(key, str(exc))
+            return None
+
+    def render(self, value: int) -> str:
+        return toml_string(format_timestamp(value))
 
 
 class Text:

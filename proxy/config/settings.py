@@ -23,7 +23,7 @@ from proxy.config.options import (
     toml_string,
 )
 from proxy.redaction import redact
-from proxy.units import format_duration, format_size
+from proxy.units import format_duration, format_size, format_timestamp
 
 # The largest body a proxying repository stores unless it sets max_file_size (the
 # largest wheels and images are a few GB; nothing legitimate comes near this).
@@ -64,6 +64,12 @@ DEFAULT_EVICT_GRACE_S = 3600.0
 DEFAULT_MIRROR_INTERVAL_S = 24 * 3600.0
 DEFAULT_MIRROR_VERSIONS = "latest"
 MIRROR_VERSIONS = ("latest", "all")
+# The release policy (docs/architecture.md, "Release policy").
+POLICY_MODES = ("enforce", "report")
+DEFAULT_POLICY_MODE = "enforce"
+UNKNOWN_PUBLISH_TIMES = ("first-seen", "allow", "deny")
+DEFAULT_UNKNOWN_PUBLISH_TIME = "first-seen"
+RULE_ACTIONS = ("allow", "deny")
 
 OptionsT = TypeVar("OptionsT")
 
@@ -82,6 +88,9 @@ class RepositorySettings(Generic[OptionsT]):
     retention_s: float | None = None  # entries not accessed for this long go (None: kept)
     # No body larger than this is stored (or passed on) for the repository.
     max_file_size: int = DEFAULT_MAX_FILE_SIZE
+    # The release policy's cooldown here (None: [policy].cooldown); only for formats
+    # whose releases the policy can judge (contract.Releases).
+    cooldown_s: float | None = None
 
     @property
     def upstream_setting(self) -> str:
@@ -216,6 +225,41 @@ class MirrorSettings:
 
 
 @dataclass(frozen=True)
+class PolicyRule:
+    """One ``[[policy.rules]]`` table, validated (``config.load``); ``policy.rules``
+    compiles it. ``index`` is its place in the file, which names it in messages."""
+
+    index: int
+    match: str  # the canonical purl of a package, without a version
+    versions: str | None = None  # a vers range (``vers:pypi/>=1.2|<1.3``); None: every version
+    action: str | None = None  # "allow" | "deny"; None: the cooldown applies
+    cooldown_s: float | None = None  # replaces the repository's cooldown
+    reason: str | None = None
+    name: str | None = None  # a short label for metrics and messages
+
+    @property
+    def label(self) -> str:
+        """The rule's label in metrics: its name, else its index (bounded either way)."""
+        return self.name or str(self.index)
+
+    @property
+    def key(self) -> str:
+        return f"policy.rules[{self.index}]"
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """``[policy]``: which releases clients may have (docs/architecture.md, "Release
+    policy"). The defaults hold nothing back."""
+
+    cooldown_s: float = 0.0
+    mode: str = DEFAULT_POLICY_MODE
+    unknown_publish_time: str = DEFAULT_UNKNOWN_PUBLISH_TIME
+    exclude_newer_ms: int | None = None  # nothing published after this (Unix ms)
+    rules: tuple[PolicyRule, ...] = ()
+
+
+@dataclass(frozen=True)
 class Settings:
     host: str
     port: int
@@ -256,6 +300,7 @@ class Settings:
         return f"{scheme}://{host}:{self.port}"
 
     database: DatabaseSettings = field(default_factory=DatabaseSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
 
     def repository(self, name: str) -> RepositorySettings[Any] | None:
         for repo in self.repositories:
@@ -328,6 +373,7 @@ class Settings:
             f'evict_interval = "{format_duration(self.jobs.evict_interval_s)}"',
             f'retention_interval = "{format_duration(self.jobs.retention_interval_s)}"',
             f'evict_grace = "{format_duration(self.jobs.evict_grace_s)}"',
+            *self.policy_lines(),
         ]
         lines += ["[admin]", f"anonymous = {toml_string(self.admin.anonymous)}"]
         if not self.admin.users:
@@ -357,6 +403,8 @@ class Settings:
                 lines.append(f'retention = "{format_duration(repo.retention_s)}"')
             if repo.proxies:
                 lines.append(f'max_file_size = "{format_size(repo.max_file_size)}"')
+            if repo.cooldown_s is not None:
+                lines.append(f'cooldown = "{format_duration(repo.cooldown_s)}"')
         for mirror in self.mirrors:
             lines += [
                 "",
@@ -371,6 +419,33 @@ class Settings:
             if mirror.repository is not None:
                 lines.append(f"repository = {toml_string(mirror.repository)}")
         return redact("\n".join(lines)) + "\n"
+
+    def policy_lines(self) -> list[str]:
+        policy = self.policy
+        lines = [
+            "[policy]",
+            f'cooldown = "{format_duration(policy.cooldown_s)}"',
+            f"mode = {toml_string(policy.mode)}",
+            f"unknown_publish_time = {toml_string(policy.unknown_publish_time)}",
+            (
+                f"exclude_newer = {toml_string(format_timestamp(policy.exclude_newer_ms))}"
+                if policy.exclude_newer_ms is not None
+                else "# exclude_newer is not set: no absolute cut-off"
+            ),
+        ]
+        for rule in policy.rules:
+            lines += ["[[policy.rules]]", f"match = {toml_string(rule.match)}"]
+            if rule.versions is not None:
+                lines.append(f"versions = {toml_string(rule.versions)}")
+            if rule.action is not None:
+                lines.append(f"action = {toml_string(rule.action)}")
+            if rule.cooldown_s is not None:
+                lines.append(f'cooldown = "{format_duration(rule.cooldown_s)}"')
+            if rule.reason is not None:
+                lines.append(f"reason = {toml_string(rule.reason)}")
+            if rule.name is not None:
+                lines.append(f"name = {toml_string(rule.name)}")
+        return lines
 
 
 def _relay_keys(settings: Settings) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any, get_args
 
 from proxy.contract import (
     ENGINE_REPOSITORY_KEYS,
+    RELEASE_REPOSITORY_KEYS,
     ErrorBodies,
     FormatPlugin,
     InvalidPlugin,
@@ -94,6 +95,9 @@ def _problems(candidate: object, name: str) -> Iterator[str]:
             yield "mirroring.keys must be an async function (adapter, package, versions)"
         else:
             yield from _callable_problems(mirroring.keys, "mirroring.keys", positional=3)
+    if plugin.packages is not None:
+        yield from _callable_problems(plugin.packages.of, "packages.of", positional=1)
+    yield from _releases_problems(plugin)
     if plugin.proxying is not None:
         limit = plugin.proxying.max_upstreams
         if limit is not None and (not isinstance(limit, int) or limit < 1):
@@ -108,6 +112,29 @@ def _problems(candidate: object, name: str) -> Iterator[str]:
         default = default("127.0.0.1")
     if default is not None and default.get("format") != name:
         yield f"default_repository must say format = {name!r}"
+
+
+def _releases_problems(plugin: FormatPlugin[Any, Any]) -> Iterator[str]:
+    releases = plugin.releases
+    if releases is None:
+        return
+    if plugin.proxying is None:
+        yield "it declares releases without proxying: the policy judges what upstreams publish"
+    if plugin.packages is None:
+        yield "it declares releases without packages: the engine must know a key's version"
+    if not isinstance(releases.purl_type, str) or not _PURL_TYPE_RE.match(releases.purl_type):
+        yield f"releases.purl_type: {releases.purl_type!r} is not a purl type"
+    yield from _callable_problems(releases.purl, "releases.purl", positional=1)
+    yield from _callable_problems(releases.package, "releases.package", positional=1)
+    yield from _callable_problems(releases.index, "releases.index", positional=2)
+    yield from _callable_problems(releases.published, "releases.published", positional=2)
+    taken = sorted(set(toml for _, o, _ in options_of(plugin.options) for toml in [o.key]))
+    clash = sorted(set(taken) & set(RELEASE_REPOSITORY_KEYS))
+    if clash:
+        yield (
+            f"options declare {', '.join(clash)}, which the engine provides to every "
+            "repository whose releases the policy judges"
+        )
 
 
 def _options_problems(plugin: FormatPlugin[Any, Any]) -> Iterator[str]:

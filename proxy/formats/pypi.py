@@ -1,9 +1,12 @@
 """PyPI (Simple Repository API) repositories: ``/{repo}/simple/`` and ``/{repo}/files/``.
 
-Index pages are cached per (project, representation) as metadata; every file link is
-rewritten to a relative ``files/{project}/{filename}`` URL and recorded, so a file
-request can only reach an upstream URL that an index page this proxy fetched listed.
-Files are immutable and verified against the listed digest before they are stored.
+A project page is cached once, as our model of it (``simple_model.py``), asked of the
+upstream as JSON whatever the client asked (the JSON form has the publish times), and
+rendered as HTML or JSON per request; the root page is cached per representation.
+Every file link is rewritten to a relative ``files/{project}/{filename}`` URL and
+recorded, so a file request can only reach an upstream URL that an index page this
+proxy fetched listed; so are a file's PEP 658 metadata and PEP 740 provenance. Files
+are immutable and verified against the listed digest before they are stored.
 """
 
 from __future__ import annotations
@@ -14,12 +17,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-from packaging.utils import (
-    InvalidSdistFilename,
-    InvalidWheelFilename,
-    parse_sdist_filename,
-    parse_wheel_filename,
-)
 from packaging.version import InvalidVersion, Version
 
 from proxy.contract import (
@@ -31,6 +28,7 @@ from proxy.contract import (
     FetchError,
     FetchSpec,
     FormatPlugin,
+    IndexModel,
     Kind,
     Link,
     LinkBatch,
@@ -45,6 +43,8 @@ from proxy.contract import (
     PackageVersion,
     ProxyContext,
     Proxying,
+    PublishedIn,
+    Releases,
     RepositorySettings,
     Request,
     Response,
@@ -55,6 +55,7 @@ from proxy.contract import (
     option,
 )
 from proxy.formats import simple_index as si
+from proxy.formats import simple_model as sm
 
 log = logging.getLogger("proxy.pypi")
 
@@ -79,6 +80,7 @@ class PypiRepository:
         self.responses = ctx.responses
         # The engine answers 503 for a repository without an upstream, before we are asked.
         self.index_url = settings.upstreams[0] if settings.upstreams else ""  # a PEP 503/691 index
+        self.max_index_size = settings.options.max_index_size
 
     async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
@@ -118,19 +120,35 @@ class PypiRepository:
                 f"{si.HTML_V1} and text/html"
             )
         representation, content_type = chosen
-        spec = self.index_spec(project, representation)
-        return await self.cache.respond(
-            spec, request, {"content-type": content_type, "vary": "Accept"}
-        )
+        headers = {"content-type": content_type, "vary": "Accept"}
+        if project is None:
+            return await self.cache.respond(self.root_spec(representation), request, headers)
+        spec = self.index_spec(project)
+        return await self.cache.respond(spec, request, headers, representation=representation)
 
-    def index_spec(self, project: str | None, representation: str) -> FetchSpec:
-        url = self.index_url + (f"{project}/" if project else "")
-        page = f"simple/{project}/" if project else "simple/"
+    def index_spec(self, project: str) -> FetchSpec:
+        """A project's page: one stored model, served as HTML or JSON."""
         return FetchSpec(
-            key=f"{page}#{representation}",
+            key=f"simple/{project}/",
             kind=Kind.METADATA,
             origin=IndexOrigin(
-                self.name, url, project, representation, self.options.max_index_size
+                self.name, self.index_url + f"{project}/", project, "json", self.max_index_size
+            ),
+            ttl_s=self.options.metadata_ttl_s,
+            negative_ttl_s=self.options.negative_ttl_s,
+            stream=False,
+            model=PROJECT_PAGE,
+        )
+
+    def root_spec(self, representation: str) -> FetchSpec:
+        """The root page (no versions, nothing to withhold): one rendering per
+        representation, as the upstream's page of 600,000 names is too large to render
+        per request."""
+        return FetchSpec(
+            key=f"simple/#{representation}",
+            kind=Kind.METADATA,
+            origin=IndexOrigin(
+                self.name, self.index_url, None, representation, self.options.max_index_size
             ),
             ttl_s=self.options.metadata_ttl_s,
             negative_ttl_s=self.options.negative_ttl_s,
@@ -148,11 +166,11 @@ class PypiRepository:
         return await self.cache.respond(self.file_spec(name, filename), request)
 
     def file_spec(self, project: str, filename: str) -> FetchSpec:
-        key = f"files/{project}/{filename}"
+        key = sm.file_key(project, filename)
         return FetchSpec(
             key=key,
             kind=Kind.IMMUTABLE,
-            origin=FileOrigin(key, lambda: self.index_spec(project, "json")),
+            origin=FileOrigin(key, lambda: self.index_spec(project)),
             negative_ttl_s=self.options.negative_ttl_s,
             content=Content.of_filename(filename),  # for a file listed without a hash
         )
@@ -164,9 +182,9 @@ class PypiRepository:
         if not si.is_valid_project_name(package.name) or package.namespace:
             raise BadRequest(f"{package}: not a PyPI project name")
         project = si.normalize(package.name)
-        spec = self.index_spec(project, "json")
+        spec = self.index_spec(project)
         body = await self.cache.read(spec, self.options.max_index_size)
-        chosen = await self.compute(_files_to_mirror, body, project, package.version, versions)
+        chosen = await self.compute(_files_to_mirror, body, package.version, versions)
         if not chosen:
             wanted = f"version {package.version}" if package.version else "a release"
             raise NotFound(f"{package}: the index of {project!r} lists no file of {wanted}")
@@ -174,26 +192,27 @@ class PypiRepository:
         for f in chosen:
             specs.append(self.file_spec(project, f.filename))
             if f.core_metadata:  # PEP 658: what resolvers fetch before the file
-                specs.append(self.file_spec(project, f.filename + ".metadata"))
+                specs.append(self.file_spec(project, f.filename + sm.METADATA_SUFFIX))
         return specs
+
+    # -- the release policy's questions (contract.Releases) ----------------------------
+
+    def published(self, version: PackageVersion) -> PublishedIn:
+        """A version's files state their upload times on the project's page."""
+        return PublishedIn(self.index_spec(version.package))
+
+    def releases_index(self, project: str) -> FetchSpec:
+        return self.index_spec(project)
 
 
 def _files_to_mirror(
-    body: bytes, project: str, version: str | None, versions: MirrorVersions
+    body: bytes, version: str | None, versions: MirrorVersions
 ) -> list[si.FileLink]:
-    """The files to warm, from our own JSON page of ``project`` (runs in ``compute``)."""
-    page = si.parse_project(body, si.JSON_V1, f"http://proxy/simple/{project}/", project)
-    return select_files(page.files, version, versions)
+    """The files to warm, from our stored page (runs in ``compute``)."""
+    return select_files(sm.load_page(body).files, version, versions)
 
 
-def file_version(filename: str) -> Version | None:
-    """The version in a wheel or sdist file name (None if it names none we can read)."""
-    try:
-        if filename.endswith(".whl"):
-            return parse_wheel_filename(filename)[1]
-        return parse_sdist_filename(filename)[1]
-    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
-        return None
+file_version = sm.file_version
 
 
 def select_files(
@@ -277,7 +296,6 @@ class IndexOrigin:
                         response.url,
                         self.repository,
                         self.project,
-                        self.representation,
                     )
             except si.IndexFormatError as exc:
                 raise UpstreamUnavailable(
@@ -299,6 +317,7 @@ class IndexOrigin:
             yield Fetched(
                 Status.OK,
                 body=_one_chunk(rendered),
+                # A project's model is JSON; it is served rendered, with the type asked for.
                 content_type=si.JSON_V1 if self.representation == "json" else si.HTML_V1,
                 length=len(rendered),
                 validators=validators,
@@ -315,20 +334,21 @@ def _project_page(
     page_url: str,
     repository: str,
     project: str,
-    representation: str,
 ) -> tuple[bytes, LinkBatch]:
-    """Our rendering of an upstream project page, and the links to record (runs in
+    """Our model of an upstream project page, and the links to record (runs in
     ``ctx.compute``: a thread for a tiny page, else a child process)."""
     page = si.parse_project(body, content_type, page_url, project)
     page.files = [f for f in page.files if _keep_file(f, project)]
     links = []
     for f in page.files:
-        key = f"files/{project}/{f.filename}"
+        key = sm.file_key(project, f.filename)
         links.append(Link(repository, key, f.url, f.hashes, f.size))
         if f.core_metadata:
             digests = f.core_metadata if isinstance(f.core_metadata, dict) else {}
-            links.append(Link(repository, key + ".metadata", _sidecar_url(f.url), digests))
-    return si.render_project(page, project, representation), LinkBatch.encode(links)
+            links.append(Link(repository, key + sm.METADATA_SUFFIX, _sidecar_url(f.url), digests))
+        if f.provenance:
+            links.append(Link(repository, key + sm.PROVENANCE_SUFFIX, f.provenance, {}))
+    return sm.dump(page, project), LinkBatch.encode(links)
 
 
 class FileOrigin:
@@ -393,8 +413,10 @@ def _keep_file(f: si.FileLink, project: str) -> bool:
 
 
 def _file_content_type(key: str, upstream_type: str | None) -> str:
-    if key.endswith(".metadata"):
+    if key.endswith(sm.METADATA_SUFFIX):
         return "text/plain; charset=utf-8"
+    if key.endswith(sm.PROVENANCE_SUFFIX):
+        return "application/json"
     if upstream_type and upstream_type.split(";")[0].strip() not in ("binary/octet-stream", ""):
         return upstream_type
     return "application/octet-stream"
@@ -404,20 +426,31 @@ async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
 
-METADATA_SUFFIX = ".metadata"  # PEP 658: a file's core metadata beside it
+PROJECT_PAGE = IndexModel(listing=sm.listing, render=sm.render)
 
 
 def package_of(key: str) -> PackageVersion | None:
-    """``simple/<project>/#...`` -> the project; ``files/<project>/<file>`` -> the
-    project and the version its file name states (none for a name we cannot read)."""
+    """``simple/<project>/`` -> the project; ``files/<project>/<file>`` (and its
+    ``.metadata`` and ``.provenance``) -> the project and the version its file name
+    states (none for a name we cannot read)."""
     parts = key.split("/")
     if len(parts) == 3 and parts[0] == "simple" and parts[1]:
         return PackageVersion(parts[1])
     if len(parts) == 3 and parts[0] == "files" and parts[1]:
-        filename = parts[2].removesuffix(METADATA_SUFFIX)
+        filename = parts[2].removesuffix(sm.METADATA_SUFFIX).removesuffix(sm.PROVENANCE_SUFFIX)
         version = file_version(filename)
         return PackageVersion(parts[1], str(version) if version is not None else None)
     return None
+
+
+def purl_of(project: str) -> PackageRef:
+    return PackageRef("pypi", project, purl=f"pkg:pypi/{project}")
+
+
+def project_of(package: PackageRef) -> str:
+    if not si.is_valid_project_name(package.name) or package.namespace:
+        raise BadRequest(f"{package}: not a PyPI project name")
+    return si.normalize(package.name)
 
 
 FORMAT = FormatPlugin(
@@ -427,4 +460,11 @@ FORMAT = FormatPlugin(
     mirroring=Mirroring(purl_types=("pypi",), keys=PypiRepository.mirror),
     default_repository={"name": "pypi", "format": "pypi"},
     packages=Packages(of=package_of, name=si.normalize),
+    releases=Releases(
+        purl_type="pypi",
+        purl=purl_of,
+        package=project_of,
+        index=PypiRepository.releases_index,
+        published=PypiRepository.published,
+    ),
 )

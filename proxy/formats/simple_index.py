@@ -1,9 +1,11 @@
-"""The Simple Repository API's pages (PEPs 503, 592, 629, 658, 691, 700, 714):
-content negotiation, parsing upstream pages (HTML or JSON) and rendering ours.
+"""The Simple Repository API's pages (PEPs 503, 592, 629, 658, 691, 700, 708, 714, 740,
+792): content negotiation, and parsing upstream pages (HTML or JSON) into a small model
+that keeps every field. A project page is stored as our own model of it and rendered
+per request (``simple_model.py``); root pages are rendered here.
 
-Pages are parsed into a small model and rendered again, rather than edited in place,
-so every link we send is one we built (relative, escaped) and either representation
-can be served whatever the upstream speaks.
+Pages are parsed and rendered again, rather than edited in place, so every link we send
+is one we built (relative, escaped) and either representation can be served whatever
+the upstream speaks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from typing import Any
-from urllib.parse import quote, urldefrag, urljoin
+from urllib.parse import quote, urldefrag, urljoin, urlsplit
 
 from proxy.contract import KNOWN_DIGESTS
 
@@ -37,12 +39,14 @@ CONTENT_TYPES = {JSON_V1: JSON_V1, HTML_V1: HTML_V1, TEXT_HTML: "text/html; char
 
 _PROJECT_NAME_RE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
 MAX_URL_CHARS = 8192
+MAX_META_VALUES = 1000  # <meta name="pypi:..."> values kept per name (a hostile page)
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _HEX_RE = re.compile(r"[0-9a-fA-F]{1,128}")  # used with fullmatch
 _HASH_NAMES = ("sha256", "sha512", "sha384", "sha224", "sha1", "md5")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 # The string fields of a JSON file entry that end up in what we render or fetch.
-_FILE_TEXT_FIELDS = ("filename", "url", "requires-python", "yanked", "upload-time")
+_FILE_TEXT_FIELDS = ("filename", "url", "requires-python", "yanked", "upload-time", "provenance")
+PROJECT_STATUSES = ("active", "archived", "quarantined", "deprecated")  # PEP 792
 
 
 def normalize(name: str) -> str:
@@ -139,6 +143,7 @@ class FileLink:
     gpg_sig: bool | None = None
     size: int | None = None
     upload_time: str | None = None
+    provenance: str | None = None  # PEP 740: the absolute upstream URL of its provenance
 
 
 @dataclass
@@ -146,6 +151,10 @@ class ProjectPage:
     name: str
     files: list[FileLink]
     versions: list[str] | None = None
+    tracks: list[str] = field(default_factory=list)  # PEP 708
+    alternate_locations: list[str] = field(default_factory=list)  # PEP 708
+    status: str | None = None  # PEP 792: active, archived, quarantined, deprecated
+    status_reason: str | None = None
 
 
 @dataclass
@@ -281,6 +290,7 @@ def _parse_project_json(body: bytes, page_url: str, name: str) -> ProjectPage:
                 gpg_sig=raw.get("gpg-sig") if isinstance(raw.get("gpg-sig"), bool) else None,
                 size=_size(raw.get("size")),
                 upload_time=_string(raw.get("upload-time")),
+                provenance=_absolute(page_url, raw.get("provenance")),
             )
         )
     if not_text:
@@ -291,13 +301,46 @@ def _parse_project_json(body: bytes, page_url: str, name: str) -> ProjectPage:
         )
     versions = data.get("versions")
     page_name = data.get("name")
+    meta = data.get("meta")
+    status = data.get("project-status")
+    status = status if isinstance(status, dict) else {}
     return ProjectPage(
         name=page_name if isinstance(page_name, str) and page_name and is_text(page_name) else name,
         files=files,
         versions=[v for v in versions if isinstance(v, str) and is_text(v)]
         if isinstance(versions, list)
         else None,
+        tracks=_urls(page_url, meta.get("tracks") if isinstance(meta, dict) else None),
+        alternate_locations=_urls(page_url, data.get("alternate-locations")),
+        status=_status(status.get("status")),
+        status_reason=_text_field(status.get("reason")),
     )
+
+
+def _absolute(page_url: str, value: object) -> str | None:
+    """An absolute http(s) URL from a link on the page, or None."""
+    if not isinstance(value, str) or not value or not is_text(value):
+        return None
+    resolved = _resolve(page_url, value)
+    if resolved is None or urlsplit(resolved[0]).scheme not in ("http", "https"):
+        return None
+    return resolved[0] + (f"#{resolved[1]}" if resolved[1] else "")
+
+
+def _urls(page_url: str, value: object) -> list[str]:
+    """PEP 708's lists of project URLs (on another index), absolute, as the page gives
+    them; anything that is not a URL is left out."""
+    if not isinstance(value, list):
+        return []
+    return [url for url in (_absolute(page_url, v) for v in value) if url is not None]
+
+
+def _status(value: object) -> str | None:
+    return value if isinstance(value, str) and value in PROJECT_STATUSES else None
+
+
+def _text_field(value: object) -> str | None:
+    return value if isinstance(value, str) and value and is_text(value) else None
 
 
 def _resolve(base: str, link: str) -> tuple[str, str] | None:
@@ -360,9 +403,19 @@ def _parse_project_html(body: bytes, page_url: str, name: str) -> ProjectPage:
                 yanked=yanked,
                 core_metadata=core,
                 gpg_sig=None if gpg is None else gpg == "true",
+                provenance=_absolute(base, attrs.get("data-provenance")),
             )
         )
-    return ProjectPage(name=name, files=files)
+    meta = parser.meta
+    reasons = meta.get("pypi:project-status-reason", [])
+    return ProjectPage(
+        name=name,
+        files=files,
+        tracks=_urls(base, meta.get("pypi:tracks")),
+        alternate_locations=_urls(base, meta.get("pypi:alternate-locations")),
+        status=_status(next(iter(meta.get("pypi:project-status", [])), None)),
+        status_reason=_text_field(reasons[0] if reasons else None),
+    )
 
 
 class _AnchorParser(HTMLParser):
@@ -370,12 +423,20 @@ class _AnchorParser(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.anchors: list[tuple[dict[str, str], str]] = []
         self.base_href: str | None = None
+        # <meta name="pypi:..." content="..."> values by name, in order (PEPs 708, 792).
+        self.meta: dict[str, list[str]] = {}
         self._current: dict[str, str] | None = None
         self._text: list[str] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag == "base" and self.base_href is None:
             self.base_href = dict(attrs).get("href") or None
+        elif tag == "meta":
+            found = dict(attrs)
+            name, content = found.get("name"), found.get("content")
+            values = self.meta.setdefault(name, []) if name and name.startswith("pypi:") else None
+            if values is not None and content is not None and len(values) < MAX_META_VALUES:
+                values.append(content)
         elif tag == "a":
             self._current = {k: (v if v is not None else "") for k, v in attrs}
             self._text = []
@@ -422,88 +483,6 @@ def _core_metadata_from_attr(value: str) -> bool | dict[str, str]:
 
 
 # -- rendering ---------------------------------------------------------------------
-
-
-def file_href(project: str, filename: str) -> str:
-    """Where a project page at ``/{repo}/simple/{project}/`` sends clients for a file."""
-    return f"../../files/{project}/{quote(filename, safe='')}"
-
-
-def render_project(page: ProjectPage, project: str, representation: str) -> bytes:
-    if representation == "json":
-        return _render_project_json(page, project)
-    return _render_project_html(page, project)
-
-
-def _render_project_html(page: ProjectPage, project: str) -> bytes:
-    title = html.escape(f"Links for {page.name}")
-    out = [
-        "<!DOCTYPE html>\n<html>\n  <head>\n",
-        '    <meta name="pypi:repository-version" content="1.1">\n',
-        f"    <title>{title}</title>\n  </head>\n  <body>\n    <h1>{title}</h1>\n",
-    ]
-    for f in page.files:
-        href = file_href(project, f.filename)
-        algo = next((n for n in _HASH_NAMES if n in f.hashes), None)
-        if algo:
-            href += f"#{algo}={f.hashes[algo]}"
-        attrs = [f'href="{html.escape(href)}"']
-        if f.requires_python:
-            attrs.append(f'data-requires-python="{html.escape(f.requires_python)}"')
-        if f.yanked:
-            reason = f.yanked if isinstance(f.yanked, str) else ""
-            attrs.append(f'data-yanked="{html.escape(reason)}"')
-        if f.core_metadata:
-            value = _core_metadata_attr(f.core_metadata)
-            attrs.append(f'data-dist-info-metadata="{value}"')
-            attrs.append(f'data-core-metadata="{value}"')
-        if f.gpg_sig is not None:
-            attrs.append(f'data-gpg-sig="{"true" if f.gpg_sig else "false"}"')
-        out.append(f"    <a {' '.join(attrs)}>{html.escape(f.filename)}</a><br />\n")
-    out.append("  </body>\n</html>\n")
-    return "".join(out).encode()
-
-
-def _core_metadata_attr(core: bool | dict[str, str]) -> str:
-    if isinstance(core, dict):
-        algo = next((n for n in _HASH_NAMES if n in core), None)
-        if algo:
-            return html.escape(f"{algo}={core[algo]}")
-    return "true"
-
-
-def _render_project_json(page: ProjectPage, project: str) -> bytes:
-    # 1.1 (PEP 700) promises `versions` and every file's `size`; claim it only if we have them.
-    v11 = page.versions is not None and all(f.size is not None for f in page.files)
-    files = []
-    for f in page.files:
-        item: dict[str, Any] = {
-            "filename": f.filename,
-            "url": file_href(project, f.filename),
-            "hashes": f.hashes,
-        }
-        if f.requires_python:
-            item["requires-python"] = f.requires_python
-        if f.core_metadata:
-            item["core-metadata"] = f.core_metadata
-            item["dist-info-metadata"] = f.core_metadata
-        if f.gpg_sig is not None:
-            item["gpg-sig"] = f.gpg_sig
-        if f.yanked:
-            item["yanked"] = f.yanked
-        if v11:
-            item["size"] = f.size
-            if f.upload_time:
-                item["upload-time"] = f.upload_time
-        files.append(item)
-    data: dict[str, Any] = {
-        "meta": {"api-version": "1.1" if v11 else "1.0"},
-        "name": page.name,
-        "files": files,
-    }
-    if v11:
-        data["versions"] = page.versions
-    return json.dumps(data, separators=(",", ":")).encode()
 
 
 def render_root(page: RootPage, representation: str) -> bytes:

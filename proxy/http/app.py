@@ -176,7 +176,10 @@ class Dispatcher:
                     )
                     response = await adapter.handle(request)
             except Exception as exc:
-                response = errors.answer(exc, repository, repository in state.json_errors)
+                accept = next((v for k, v in scope["headers"] if k == b"accept"), b"")
+                response = errors.answer(
+                    exc, repository, repository in state.json_errors, accept.decode("latin-1")
+                )
             if (
                 method in BODY_METHODS
                 and isinstance(response, responses.BodyResponse)

@@ -10,6 +10,8 @@ its traceback, never a traceback to the client (docs/architecture.md, "Errors").
 
 from __future__ import annotations
 
+import http
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from proxy.exceptions import (
     ParseFailed,
     PayloadTooLarge,
     ProxyError,
+    ReleaseWithheld,
     RequestTimeout,
     RetryLater,
     ShuttingDown,
@@ -50,8 +53,9 @@ from proxy.exceptions import (
     UpstreamUnavailable,
     UriTooLong,
 )
-from proxy.http.responses import BodyResponse, error
+from proxy.http.responses import NEVER_STORE, BodyResponse, error
 from proxy.http.semantics import retry_after_header
+from proxy.redaction import redact
 
 log = logging.getLogger("proxy.errors")
 
@@ -151,9 +155,35 @@ def rule_for(exc: BaseException) -> Rule:
     return RULES[Exception]  # a BaseException that is no Exception (never raised here)
 
 
-def answer(exc: BaseException, repository: str = "-", as_json: bool = False) -> BodyResponse:
-    """The answer ``exc`` becomes, logged as its rule says; ``as_json``: the body is
-    ``{"error": message}`` (the repository's format says its clients read that)."""
+PROBLEM_JSON = "application/problem+json"
+
+
+def wants_problem(accept: str | None) -> bool:
+    """Does the client ask for RFC 9457 problem documents (``Accept:
+    application/problem+json``, with a q-value above 0)?"""
+    if not accept or PROBLEM_JSON not in accept:
+        return False
+    for part in accept.split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        if media.lower() != PROBLEM_JSON:
+            continue
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    return float(value) > 0
+                except ValueError:
+                    return False
+        return True
+    return False
+
+
+def answer(
+    exc: BaseException, repository: str = "-", as_json: bool = False, accept: str | None = None
+) -> BodyResponse:
+    """The answer ``exc`` becomes, logged as its rule says: an RFC 9457 problem document
+    when the client's ``Accept`` asks for one; else ``{"error": message}`` if
+    ``as_json`` (the repository's format says its clients read that), else plain text."""
     rule = rule_for(exc)
     if rule.level is not None:
         log.log(
@@ -168,4 +198,32 @@ def answer(exc: BaseException, repository: str = "-", as_json: bool = False) -> 
         message = str(exc)
     else:
         message = rule.public if isinstance(rule.public, str) else rule.public(exc)
-    return error(rule.status, message, rule.headers(exc) if rule.headers else None, as_json)
+    headers = rule.headers(exc) if rule.headers else None
+    if wants_problem(accept):
+        return problem(rule.status, message, exc, headers)
+    return error(rule.status, message, headers, as_json)
+
+
+def problem(
+    status: int, message: str, exc: BaseException, extra: Mapping[str, str] | None
+) -> BodyResponse:
+    """An RFC 9457 problem document: the facts a ``ReleaseWithheld`` carries, or the
+    status and the message for any other error; redacted like every answer."""
+    if isinstance(exc, ReleaseWithheld):
+        document: dict[str, object] = dict(exc.problem)
+    else:
+        document = {
+            "type": "about:blank",
+            "title": http.HTTPStatus(status).phrase,
+            "status": status,
+            "detail": message,
+        }
+    body = redact(json.dumps(document, ensure_ascii=True)).encode()
+    headers = [
+        (b"content-type", PROBLEM_JSON.encode()),
+        (b"cache-control", NEVER_STORE),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    for name, value in (extra or {}).items():
+        headers.append((name.lower().encode(), value.encode("latin-1")))
+    return BodyResponse(status, headers, body)

@@ -12,6 +12,7 @@ for inputs too small to take long, so that disk work never waits behind a parse.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -36,6 +37,9 @@ CPU_PROCESSES = 2
 # HTMLParser is quadratic on some inputs ("<a " repeated: 8 KiB take ~0.3 s, 120 KB
 # minutes), and JSON pages are parsed, rendered and recorded in one go.
 THREAD_INPUT_MAX_BYTES = 8 * 1024
+# After work on an input this large, the memory its transfer to and from the child freed
+# is handed back to the system (``trim_heap``).
+TRIM_AFTER_BYTES = 4 * 2**20
 CHILD_TASKS = 100  # a child is replaced after this many, so its memory does not linger
 DEFAULT_DEADLINE_S = 30.0  # upstream.parse_timeout
 
@@ -80,9 +84,16 @@ class CpuPool:
         for child in self._children:
             self._idle.put_nowait(child)
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
+    async def run(self, fn: Callable[..., T], *args: object, weight: int | None = None) -> T:
+        """``fn(*args)`` in a thread or a child, by the size of its input: the bytes and
+        text among ``args``, or ``weight`` when the input is elsewhere (a file ``fn``
+        reads itself, so it need not be copied to the child)."""
         loop = asyncio.get_running_loop()
-        size = sum(len(a) for a in args if isinstance(a, bytes | str))
+        size = (
+            weight
+            if weight is not None
+            else sum(len(a) for a in args if isinstance(a, bytes | str))
+        )
         if size <= THREAD_INPUT_MAX_BYTES:
             return await loop.run_in_executor(self._threads, fn, *args)
         try:
@@ -97,6 +108,8 @@ class CpuPool:
             return await child.run(fn, args, self.deadline_s)
         finally:
             self._idle.put_nowait(child)
+            if size >= TRIM_AFTER_BYTES:
+                await loop.run_in_executor(self._threads, trim_heap)
 
     def close(self) -> None:
         """Stop at once: children are killed whatever they are doing; a thread is never
@@ -170,6 +183,27 @@ class _Child:
         for process in list((executor._processes or {}).values()):
             process.kill()
         executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc (musl, macOS): nothing to trim
+    return trim
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def trim_heap() -> None:
+    """Give memory freed in the C heap back to the system (glibc's ``malloc_trim``).
+    A page of tens of MB crosses to and from a child as pickles, which glibc leaves in
+    the arenas of the threads that made them: without this, the server's resident size
+    stays at its highest for good, however little it holds."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _child_init() -> None:

@@ -245,6 +245,18 @@ MIRROR_ITEMS = Counter(
     "Items of mirror runs, by outcome (fetched, cached, missing, failed, skipped)",
     ["mirror", "outcome"],
 )
+POLICY_DECISIONS = Counter(
+    "proxy_policy_decisions_total",
+    "Release-policy decisions applied to requests: a file request counts its version's "
+    "decision, an index document each version it withholds (or would, in report mode); "
+    "rule is a rule's name or index, or cooldown, exclude_newer, unknown_publish_time, none",
+    ["repository", "action", "rule"],
+)
+POLICY_RELOADS = Counter(
+    "proxy_policy_reloads_total",
+    "Reloads of [policy] on SIGHUP, by outcome (ok, or failed: the old policy stays)",
+    ["outcome"],
+)
 UPLOADS = Counter(
     "proxy_uploads_total",
     "Uploads (build cache PUTs), by result (stored, too_large, unauthorized, forbidden)",

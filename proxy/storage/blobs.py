@@ -288,6 +288,18 @@ class BlobStore:
             raise storage_error(f"publishing {target}", "publish", exc) from exc
         return sha256
 
+    def temp_path(self) -> Path:
+        """A new temp file name (not created) for a blob written elsewhere: by a child
+        process rendering an index document (``cache/documents.py``)."""
+        return self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}"
+
+    async def adopt(self, temp: Path, sha256: str) -> None:
+        """Move a temp file that its writer already fsynced to its content address."""
+        try:
+            await run_blocking(_move_into_place, temp, self.path(sha256))
+        except OSError as exc:
+            raise storage_error(f"publishing {self.path(sha256)}", "publish", exc) from exc
+
     def delete_older(self, sha256s: Iterable[str], cutoff_s: float) -> tuple[set[str], set[str]]:
         """Delete the blobs whose file was last modified before ``cutoff_s`` (blocking:
         run it in the I/O pool). Returns the ones deleted now and the ones that had no

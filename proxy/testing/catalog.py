@@ -20,6 +20,7 @@ from proxy.catalog import (
     InFlight,
     JobFailure,
     JobRun,
+    KnownTimes,
     LeaseGrant,
     LeaseRow,
     MirrorRun,
@@ -75,6 +76,7 @@ class MemoryCatalog:
         self.outage: str | None = None  # a reason: every operation fails while set
         self.entries: dict[tuple[str, str], Entry] = {}
         self.links: dict[tuple[str, str], Link] = {}
+        self.publish_times: dict[tuple[str, str], KnownTimes] = {}
         self.leases: dict[str, _Lease] = {}
         self.tombstones: dict[str, tuple[int, int]] = {}  # sha256 -> (size, at ms)
         self.job_history: dict[str, _JobRun] = {}
@@ -298,6 +300,32 @@ class MemoryCatalog:
         await self._enter("get_link")
         link = self.links.get((repository, key))
         return dataclasses.replace(link, digests=dict(link.digests)) if link is not None else None
+
+    # -- publish times ------------------------------------------------------------------
+
+    async def record_first_sight(self, repository: str, keys_json: str, at_ms: int) -> str:
+        await self._enter("record_first_sight")
+        keys = json.loads(keys_json)
+        for key in keys:
+            self.publish_times.setdefault((repository, key), KnownTimes(at_ms))
+        seen = {key: self.publish_times[(repository, key)].first_seen_ms for key in keys}
+        return json.dumps(seen)
+
+    async def known_times(self, repository: str, keys: Sequence[str]) -> dict[str, KnownTimes]:
+        await self._enter("known_times")
+        return {
+            key: self.publish_times[(repository, key)]
+            for key in keys
+            if (repository, key) in self.publish_times
+        }
+
+    async def record_upstream_time(
+        self, repository: str, key: str, upstream_ms: int, at_ms: int
+    ) -> None:
+        await self._enter("record_upstream_time")
+        known = self.publish_times.get((repository, key), KnownTimes(at_ms))
+        if known.upstream_ms is None:
+            self.publish_times[(repository, key)] = KnownTimes(known.first_seen_ms, upstream_ms)
 
     # -- fetch leases --------------------------------------------------------------------------
 

@@ -158,6 +158,31 @@ ON CONFLICT (repository, key) DO UPDATE SET
 -- name: select_link
 SELECT repository, key, url, digests::text, size FROM links WHERE repository = $1 AND key = $2
 
+-- name: record_first_seen
+-- $1 repository, $2 a JSON array of keys, $3 now (Unix ms): a key seen before keeps its time.
+INSERT INTO publish_times (repository, key, first_seen_ms)
+SELECT $1, k, $3 FROM jsonb_array_elements_text($2::jsonb) AS v(k)
+ON CONFLICT (repository, key) DO NOTHING
+
+-- name: select_first_seen
+-- $1 repository, $2 a JSON array of keys: one JSON object, key -> first sight (a page of
+-- 100,000 files comes back as one text, not 100,000 rows).
+SELECT coalesce(jsonb_object_agg(key, first_seen_ms), '{}'::jsonb)::text AS seen
+FROM publish_times
+WHERE repository = $1 AND key IN (SELECT jsonb_array_elements_text($2::jsonb))
+
+-- name: select_publish_times
+-- $1 repository, $2 a JSON array of keys.
+SELECT key, first_seen_ms, upstream_ms FROM publish_times
+WHERE repository = $1 AND key IN (SELECT jsonb_array_elements_text($2::jsonb))
+
+-- name: record_upstream_time
+-- $1 repository, $2 key, $3 the upstream's time, $4 now: the first one learnt is kept.
+INSERT INTO publish_times AS p (repository, key, first_seen_ms, upstream_ms)
+VALUES ($1, $2, $4, $3)
+ON CONFLICT (repository, key) DO UPDATE SET upstream_ms = EXCLUDED.upstream_ms
+WHERE p.upstream_ms IS NULL
+
 -- name: claim_lease
 -- ($1 key, $2 holder, $3 ttl seconds, $4 repository, $5 entry key, $6 now ms, $7 fence
 -- and $8 renewal stamp of a row the claimant watched go unrenewed for a whole TTL by its

@@ -147,6 +147,30 @@ ON CONFLICT (repository, key) DO UPDATE SET
 -- name: select_link
 SELECT repository, key, url, digests, size FROM links WHERE repository = ?1 AND key = ?2
 
+-- name: record_first_seen
+-- ?1 repository, ?2 a JSON array of keys, ?3 now (Unix ms): a key seen before keeps its time.
+INSERT INTO publish_times (repository, key, first_seen_ms)
+SELECT ?1, value, ?3 FROM json_each(?2) WHERE true
+ON CONFLICT (repository, key) DO NOTHING
+
+-- name: select_first_seen
+-- ?1 repository, ?2 a JSON array of keys: one JSON object, key -> first sight (a page of
+-- 100,000 files comes back as one text, not 100,000 rows).
+SELECT coalesce(json_group_object(key, first_seen_ms), '{}') AS seen FROM publish_times
+WHERE repository = ?1 AND key IN (SELECT value FROM json_each(?2))
+
+-- name: select_publish_times
+-- ?1 repository, ?2 a JSON array of keys.
+SELECT key, first_seen_ms, upstream_ms FROM publish_times
+WHERE repository = ?1 AND key IN (SELECT value FROM json_each(?2))
+
+-- name: record_upstream_time
+-- ?1 repository, ?2 key, ?3 the upstream's time, ?4 now: the first one learnt is kept.
+INSERT INTO publish_times (repository, key, first_seen_ms, upstream_ms)
+VALUES (?1, ?2, ?4, ?3)
+ON CONFLICT (repository, key) DO UPDATE SET upstream_ms = excluded.upstream_ms
+WHERE publish_times.upstream_ms IS NULL
+
 -- name: next_fence
 -- SQLite only (Postgres uses a sequence inside claim_lease): run in the claim's write
 -- transaction, so the claim below reads the value allocated here. AUTOINCREMENT never

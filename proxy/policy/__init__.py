@@ -1,0 +1,1 @@
+"""The release policy: which versions clients may have (docs/architecture.md, "Release policy")."""
