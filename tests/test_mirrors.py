@@ -17,7 +17,7 @@ from proxy.config.load import load
 from proxy.engine import Engine, open_engine
 from proxy.exceptions import ConfigError
 from proxy.formats import simple_index as si
-from proxy.formats.maven import ArtifactVersions, parse_metadata, select_versions
+from proxy.formats.maven_metadata import ArtifactVersions, parse_metadata, select_versions
 from proxy.formats.pypi import select_files
 from proxy.mirror.progress import MirrorProgress
 from proxy.mirror.purls import parse_purl

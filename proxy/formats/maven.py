@@ -18,10 +18,6 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from xml.etree.ElementTree import Element
-
-from defusedxml import ElementTree as SafeXml
-from defusedxml.common import DefusedXmlException
 
 from proxy.contract import (
     NOT_FOUND_STATUSES,
@@ -46,6 +42,8 @@ from proxy.contract import (
     PackageVersion,
     ProxyContext,
     Proxying,
+    PublishedAt,
+    Releases,
     RepositorySettings,
     Request,
     Response,
@@ -58,6 +56,12 @@ from proxy.contract import (
     UpstreamUnavailable,
     Validators,
     option,
+)
+from proxy.formats.maven_metadata import (
+    ARTIFACT_METADATA,
+    SEGMENT_RE,
+    parse_metadata,
+    select_versions,
 )
 
 log = logging.getLogger("proxy.maven")
@@ -83,7 +87,10 @@ TYPE_FILES = {
 }
 ROOT_FILES = ("archetype-catalog.xml",)
 
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+~-]*$")
+_SEGMENT_RE = SEGMENT_RE
+METADATA_FILE = "maven-metadata.xml"
+# The one representation of an index document here; the engine renders it from its model.
+XML = "xml"
 _TIMESTAMPED_RE = re.compile(r"\d{8}\.\d{6}-\d+")
 _CONTENT_TYPES = {
     ".pom": "text/xml",
@@ -181,11 +188,14 @@ class MavenRepository:
             return await self.cache.respond(spec, request)
         maven_path = parse_path(request.path)
         spec = self._spec(maven_path)
+        representation = XML if spec.model is not None else ""
         if maven_path.checksum is not None:
-            return await self._checksum(request, spec, maven_path.checksum)
+            return await self._checksum(request, spec, maven_path.checksum, representation)
         # A HEAD too: the engine decides whether the upstream is asked (docs/architecture.md,
         # "The request path of a miss"), so a HEAD miss fetches the file like a GET.
-        return await self.cache.respond(spec, request, digest_headers=checksum_headers)
+        return await self.cache.respond(
+            spec, request, digest_headers=checksum_headers, representation=representation
+        )
 
     def _spec(self, maven_path: MavenPath) -> FetchSpec:
         ttl_s = None
@@ -193,6 +203,10 @@ class MavenRepository:
             ttl_s = (
                 self.options.snapshot_ttl_s if maven_path.snapshot else self.options.metadata_ttl_s
             )
+        # An artifact's metadata (not a SNAPSHOT version's) is an index document: the
+        # engine serves it without the versions the release policy withholds.
+        metadata = maven_path.path.endswith(METADATA_FILE) and "/" in maven_path.path
+        document = metadata and not maven_path.snapshot
         return FetchSpec(
             key=maven_path.path,
             kind=maven_path.kind,
@@ -208,6 +222,8 @@ class MavenRepository:
             # A jar is a zip, a pom and maven-metadata.xml are XML: never a login page,
             # even when the upstream publishes no checksum to verify them with.
             content=Content.of_filename(maven_path.path),
+            stream=not document,  # served rendered, once stored
+            model=ARTIFACT_METADATA if document else None,
         )
 
     async def mirror(self, package: PackageRef, versions: MirrorVersions) -> list[FetchSpec]:
@@ -220,7 +236,7 @@ class MavenRepository:
         if package.version is not None:
             chosen = [package.version]
         else:
-            metadata_spec = self._spec(parse_path(f"{base}/maven-metadata.xml"))
+            metadata_spec = self._spec(parse_path(f"{base}/{METADATA_FILE}"))
             body = await self.cache.read(metadata_spec, METADATA_BODY_LIMIT_BYTES)
             chosen = select_versions(parse_metadata(body, metadata_spec.key), versions)
             if not chosen:
@@ -235,14 +251,30 @@ class MavenRepository:
                 specs.append(self._spec(parse_path(f"{stem}{suffix}.{extension}")))
         return specs
 
-    async def _checksum(self, request: Request, spec: FetchSpec, algorithm: str) -> Response:
-        """A checksum file, computed from the very bytes we serve for its base file.
+    # -- the release policy's questions (contract.Releases) ----------------------------
+
+    def published(self, version: PackageVersion) -> PublishedAt:
+        """A version was published when its pom was (the upstream's Last-Modified)."""
+        group, _, artifact = version.package.rpartition(":")
+        assert version.version is not None
+        stem = f"{group.replace('.', '/')}/{artifact}/{version.version}/{artifact}"
+        return PublishedAt(self._spec(parse_path(f"{stem}-{version.version}.pom")))
+
+    def releases_index(self, package: str) -> FetchSpec:
+        group, _, artifact = package.rpartition(":")
+        return self._spec(parse_path(f"{group.replace('.', '/')}/{artifact}/{METADATA_FILE}"))
+
+    async def _checksum(
+        self, request: Request, spec: FetchSpec, algorithm: str, representation: str
+    ) -> Response:
+        """A checksum file, computed from the very bytes we serve for its base file (for
+        metadata: as rendered, without what the release policy withholds).
 
         An existing entry answers even if its TTL has run out: refreshing metadata here
         would give the checksum of bytes the client has not received. Only a missing
         base file is fetched.
         """
-        digests = await self.cache.served_digests(spec)
+        digests = await self.cache.served_digests(spec, representation)
         if algorithm not in digests:
             raise RetryLater(f"{spec.key}: checksum not available yet; retry")
         body = digests[algorithm].encode()
@@ -253,7 +285,11 @@ class MavenOrigin:
     """Tries each upstream in order; verifies artifacts against upstream checksums."""
 
     def __init__(
-        self, upstreams: tuple[str, ...], path: str, verify: bool, require_checksum: bool = False
+        self,
+        upstreams: tuple[str, ...],
+        path: str,
+        verify: bool,
+        require_checksum: bool = False,
     ) -> None:
         self.upstreams = upstreams
         self.path = path
@@ -411,51 +447,6 @@ def artifact_file(package: PackageRef) -> tuple[str, str | None]:
     return extension, classifier
 
 
-@dataclass(frozen=True)
-class ArtifactVersions:
-    release: str | None
-    latest: str | None
-    versions: list[str]
-
-
-def parse_metadata(body: bytes, where: str) -> ArtifactVersions:
-    """The versions an artifact-level maven-metadata.xml lists (parsed safely: no
-    entities, no external references)."""
-    try:
-        root = SafeXml.fromstring(body)
-    except (SafeXml.ParseError, DefusedXmlException, ValueError) as exc:
-        raise UpstreamUnavailable(f"{where} is not valid metadata: {exc}") from exc
-
-    def child(node: Element | None, name: str) -> Element | None:
-        if node is None:
-            return None
-        return next((c for c in node if c.tag.rsplit("}", 1)[-1] == name), None)
-
-    def text(node: Element | None) -> str | None:
-        value = (node.text or "").strip() if node is not None else ""
-        return value if value and _SEGMENT_RE.match(value) else None
-
-    versioning = child(root, "versioning")
-    listed = child(versioning, "versions")
-    versions = [v for v in (text(c) for c in (listed if listed is not None else [])) if v]
-    return ArtifactVersions(
-        release=text(child(versioning, "release")),
-        latest=text(child(versioning, "latest")),
-        versions=versions,
-    )
-
-
-def select_versions(found: ArtifactVersions, versions: MirrorVersions) -> list[str]:
-    """``latest``: the <release>, else the last listed non-SNAPSHOT version; ``all``:
-    every listed non-SNAPSHOT version (in the order listed)."""
-    releases = [v for v in found.versions if not v.endswith("-SNAPSHOT")]
-    if versions == "all":
-        return releases
-    if found.release and not found.release.endswith("-SNAPSHOT"):
-        return [found.release]
-    return releases[-1:]
-
-
 def parse_checksum(body: bytes, algorithm: str) -> str | None:
     """The hex digest in a checksum file (``hex``, ``hex  name`` or ``name: hex`` forms)."""
     length = CHECKSUM_HEX_LENGTHS[algorithm]
@@ -499,7 +490,7 @@ def package_of(key: str) -> PackageVersion | None:
     an artifact's ``maven-metadata.xml`` -> the artifact (no version), a SNAPSHOT
     version's -> the artifact and that version."""
     segments = key.split("/")
-    if segments[-1] == "maven-metadata.xml":
+    if segments[-1] == METADATA_FILE:
         if len(segments) >= 4 and segments[-2].endswith("-SNAPSHOT"):
             return PackageVersion(_coordinates(segments[:-3], segments[-3]), segments[-2])
         if len(segments) >= 3:
@@ -514,6 +505,20 @@ def _coordinates(group: list[str], artifact: str) -> str:
     return f"{'.'.join(group)}:{artifact}"
 
 
+def purl_of(package: str) -> PackageRef:
+    group, _, artifact = package.rpartition(":")
+    return PackageRef("maven", artifact, namespace=group, purl=f"pkg:maven/{group}/{artifact}")
+
+
+def coordinates_of(package: PackageRef) -> str:
+    if not package.namespace:
+        raise BadRequest(f"{package}: a Maven purl names the groupId as its namespace")
+    for part in (*package.namespace.split("."), package.name):
+        if not _SEGMENT_RE.match(part):
+            raise BadRequest(f"{package}: {part!r} is not a Maven groupId or artifactId part")
+    return f"{package.namespace}:{package.name}"
+
+
 FORMAT = FormatPlugin(
     name="maven",
     options=MavenOptions,
@@ -521,4 +526,11 @@ FORMAT = FormatPlugin(
     mirroring=Mirroring(purl_types=("maven",), keys=MavenRepository.mirror),
     default_repository={"name": "maven", "format": "maven"},
     packages=Packages(of=package_of),
+    releases=Releases(
+        purl_type="maven",
+        purl=purl_of,
+        package=coordinates_of,
+        index=MavenRepository.releases_index,
+        published=MavenRepository.published,
+    ),
 )
