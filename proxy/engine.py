@@ -37,7 +37,7 @@ from proxy.contract import (
     ProxyContext,
     UpstreamClient,
 )
-from proxy.exceptions import CatalogError, InvalidPlugin
+from proxy.exceptions import CatalogError, InvalidPlugin, ProxyError
 from proxy.fetch.fetcher import Fetcher
 from proxy.fetch.fill import TierFills
 from proxy.fetch.leases import LeaseCoordinator, make_holder_id
@@ -159,14 +159,22 @@ class Engine:
 
     async def release_decision(self, repository: str, key: str) -> dict[str, Any] | None:
         """What the release policy decides for a stored entry's key (the operators'
-        console shows it): its package, version, action, rule and reason, or None if the
-        key belongs to no release the policy judges."""
+        console shows it): ``decision`` in words, its reason, package, version, action
+        and rule; None if no policy could withhold anything there, or the key belongs to
+        no release. A publish time it needs is asked for through the cache, as a request
+        would; one it cannot learn now is said so, never an error of the page."""
         gate = self.gates.get(repository)
-        found = await gate.of_key(key) if gate is not None else None
-        if gate is None or found is None:
+        if gate is None or not self.policies.current.active(repository):
+            return None
+        try:
+            found = await gate.of_key(key)
+        except ProxyError as exc:
+            return {"decision": "unknown", "reason": f"cannot be decided now: {exc}"}
+        if found is None:
             return None
         version, decision = found
         facts = explain.facts(decision, gate.purl(version.package), version.version)
+        facts["decision"] = explain.verdict(decision)
         facts["enforced"] = not self.policies.current.report_only
         return facts
 

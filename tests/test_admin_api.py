@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +158,10 @@ def test_deleting_one_entry(proxied: str, upstream: FakeUpstream) -> None:
         }  # fmt: skip
         again = api_client.delete("/api/v1/entries/pypi/files/beta/beta-2.0.tar.gz")
         assert again.status_code == 404
-        # A key with "#" in it (an index page's representation) travels encoded.
-        page = api_client.get("/api/v1/entries", params={"repository": "pypi", "q": "beta"}).json()
-        [page_key] = [e["key"] for e in page["entries"] if e["key"].startswith("simple/beta/#")]
+        # A key with "#" in it (the root page's representation) travels encoded.
+        assert httpx.get(f"{proxied}/pypi/simple/").status_code == 200
+        listed = api_client.get("/api/v1/entries", params={"repository": "pypi"}).json()
+        [page_key] = [e["key"] for e in listed["entries"] if e["key"].startswith("simple/#")]
         encoded = page_key.replace("#", "%23")
         assert api_client.delete(f"/api/v1/entries/pypi/{encoded}").status_code == 200
     assert httpx.get(f"{proxied}/pypi/files/beta/beta-2.0.tar.gz").status_code == 200
@@ -539,3 +541,24 @@ def test_a_killed_proxy_mirror_run_is_shown_interrupted_then_forgotten(
 
     states, left = asyncio.run(forget())
     assert states == ["interrupted"] and left == []
+
+
+def test_an_entry_shows_the_release_policys_decision(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The console's slot for the policy decision (Engine.release_decision): in report
+    mode the held file is served, so it is stored, and its entry says it would be held."""
+    recent = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 86400))
+    upstream.add_project("fresh", [ProjectFile("fresh-1.0.tar.gz", b"fresh", upload_time=recent)])
+    policy = '[policy]\ncooldown = "3d"\nmode = "report"\n'
+    url = start_proxy(load(admin_config(tmp_path, upstream.base_url, extra=policy), {})).url
+    assert httpx.get(f"{url}/pypi/files/fresh/fresh-1.0.tar.gz").status_code == 200
+    with client(url) as api_client:
+        detail = api_client.get("/api/v1/entries/pypi/files/fresh/fresh-1.0.tar.gz").json()
+        page = api_client.get("/api/v1/entries/pypi/simple/fresh/").json()
+    policy_of = detail["policy"]
+    assert policy_of["decision"].startswith("held back until ")
+    assert (policy_of["action"], policy_of["rule"]) == ("hold", "cooldown")
+    assert policy_of["package"] == "pkg:pypi/fresh" and policy_of["version"] == "1.0"
+    assert policy_of["enforced"] is False and "(upload-time)" in policy_of["reason"]
+    assert page["policy"] is None  # a page is no release of one version

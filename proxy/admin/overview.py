@@ -331,9 +331,9 @@ class Overview:
             "last_access_ms": entry.last_access_ms,
             "etag": entry.etag,
             "last_modified": entry.last_modified,
-            # The release-cooldown policy (issue 17) will say here whether and why the
-            # entry may be served; until then there is no policy.
-            "policy": None,
+            # Whether and why the release policy lets the entry be served (None: no
+            # policy could withhold anything in this repository).
+            "policy": await self.engine.release_decision(repository, entry.key),
         }
 
     # -- acting on it ---------------------------------------------------------------------
