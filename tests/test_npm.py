@@ -18,9 +18,9 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.config.load import load
-from proxy.contract import BASE_URL_MARK
+from proxy.contract import BASE_URL_MARK, View, Withheld
 from proxy.exceptions import UpstreamUnavailable
-from proxy.formats import npm
+from proxy.formats import npm, npm_packument
 from proxy.formats.npm import dist_digests, negotiate, render_packument
 from proxy.testing import InMemoryProxy, MockResponse, UpstreamRequest
 from tests.conftest import write_config
@@ -144,12 +144,12 @@ async def test_abbreviated_and_full_packuments(tmp_path: Path) -> None:
         assert document["time"] == upstream.documents["left-pad"]["time"]
         assert document["readme"] and document["versions"]["1.0.0"]["scripts"] == {"test": "true"}
         assert document["versions"]["1.1.0"]["dist"]["tarball"].startswith("http://proxy.test/npm/")
-        # One upstream document per representation, always asked for in full.
+        # One upstream document for both representations, asked for in full.
         assert [(r.url, r.headers["accept"]) for r in p.upstream.requests] == [
             (REGISTRY + "left-pad", "application/json")
-        ] * 2
+        ]
         again = await p.client.get("/npm/left-pad", headers={"Accept": NPM_ACCEPT})
-        assert again.content == short.content and len(p.upstream.requests) == 2
+        assert again.content == short.content and len(p.upstream.requests) == 1
         head = await p.client.head("/npm/left-pad", headers={"Accept": NPM_ACCEPT})
         assert head.headers["content-length"] == str(len(short.content)) and head.content == b""
 
@@ -211,7 +211,7 @@ async def test_tarball_urls_follow_each_client_and_what_is_stored_names_no_host(
             "ci.internal:8080": "http://ci.internal:8080/npm/left-pad/-/left-pad-1.0.0.tgz",
             "laptop.example": "http://laptop.example/npm/left-pad/-/left-pad-1.0.0.tgz",
         }
-        neutral = stored(p, "packument/left-pad#abbreviated")
+        neutral = stored(p, "packument/left-pad")
         assert neutral.count(BASE_URL_MARK.encode()) == 2
         assert (
             b"ci.internal" not in neutral
@@ -481,13 +481,16 @@ async def test_an_sbom_of_npm_purls_drives_a_mirror(tmp_path: Path) -> None:
 def test_a_hostile_packument_is_refused_or_cleaned_never_a_crash(document: bytes) -> None:
     """What an upstream sends cannot break the renderer: it is either a packument
     (what we cannot serve left out) or a ValueError, which the origin turns into a 502."""
+    try:
+        model, _links = render_packument(document, REGISTRY + "x", "npm", "x")
+    except ValueError:
+        return
+    listed = npm_packument.listing(model)
+    withheld = {v.version: Withheld("deny", "x") for v in listed.versions}
+    seen = {npm_packument.tarball_key("x", v.version): 0 for v in listed.versions}
     for representation in ("full", "abbreviated"):
-        try:
-            rendered, _links = render_packument(
-                document, REGISTRY + "x", "npm", "x", representation
-            )
-        except ValueError:
-            continue
+        for view in (View(), View(withheld), View(published=seen)):
+            rendered = npm_packument.render(model, view, representation)
         parsed = json.loads(rendered.replace(BASE_URL_MARK.encode(), b""))
         assert parsed["name"] == "x" and isinstance(parsed["versions"], dict)
         assert all(isinstance(v, str) for v in parsed["dist-tags"].values())

@@ -319,7 +319,7 @@ def test_sigkill_of_a_packument_holder_leaves_every_waiter_its_own_urls(
                     return answer.status_code, answer.content
 
                 holders = asyncio.ensure_future(get(replicas[0]))
-                await asyncio.to_thread(wait_for_holder, pg_url, "npm/packument/slow#full")
+                await asyncio.to_thread(wait_for_holder, pg_url, "npm/packument/slow")
                 waiting = [asyncio.ensure_future(get(r)) for r in replicas[1:] for _ in range(2)]
                 await asyncio.sleep(0.8)  # the holder is mid-download
                 replicas[0].signal(signal.SIGKILL)

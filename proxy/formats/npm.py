@@ -1,11 +1,13 @@
 """npm registries: ``/{repo}/{package}`` (packuments) and the tarballs they list.
 
-A packument is cached per representation, full (``application/json``) or abbreviated
-(``application/vnd.npm.install-v1+json``, what ``npm install`` asks for), both rendered
-from the upstream's full document, so the publish times (``time``) are always at hand.
-Each tarball URL is rewritten to point back at the proxy; what is stored names the
-proxy only by ``BASE_URL_MARK``, which the engine fills in with each request's own URL
-(``server.public_url``, else its Host), so no client changes what another gets. The
+A packument is cached once, as our neutral model of the upstream's full document
+(``npm_packument.py``), and rendered per request full (``application/json``) or
+abbreviated (``application/vnd.npm.install-v1+json``, what ``npm install`` asks for),
+so the publish times (``time``) are always at hand and the release policy can leave
+versions out of both. Each tarball URL is rewritten to point back at the proxy; what is
+stored names the proxy only by ``BASE_URL_MARK``, which the engine fills in with each
+request's own URL (``server.public_url``, else its Host), so no client changes what
+another gets. The
 upstream URL of every tarball is recorded (``LinkStore``): a tarball request can only
 make the proxy fetch a URL a packument it fetched listed, verified against that
 packument's ``dist.integrity`` (SRI, e.g. sha512), else its ``dist.shasum`` (sha1).
@@ -17,27 +19,20 @@ Scoped packages are named either way: ``/@scope%2fname`` (what npm sends) and
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import hashlib
-import json
 import logging
 import math
 import re
-import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
-from urllib.parse import quote, urljoin, urlsplit
+from typing import Any
+from urllib.parse import quote
 
 from proxy.contract import (
     BASE_URL_MARK,
-    KNOWN_DIGESTS,
     NOT_FOUND_STATUSES,
     BadRequest,
     Content,
-    Digests,
     Duration,
     Fetched,
     FetchError,
@@ -58,6 +53,8 @@ from proxy.contract import (
     PackageVersion,
     ProxyContext,
     Proxying,
+    PublishedIn,
+    Releases,
     RepositorySettings,
     Request,
     Response,
@@ -69,22 +66,24 @@ from proxy.contract import (
     decode_segment,
     option,
 )
+from proxy.formats.npm_packument import (
+    PACKUMENT,
+    Representation,
+    dist_digests,
+    dist_tags_of,
+    manifest_of,
+    neutral,
+    tarball_key,
+    versions_to_mirror,
+)
 
 log = logging.getLogger("proxy.npm")
 
 FULL = "application/json"
 ABBREVIATED = "application/vnd.npm.install-v1+json"
-Representation = Literal["full", "abbreviated"]
+# Re-exported for the tests that read them here.
+__all__ = ["dist_digests", "negotiate", "render_packument"]
 CONTENT_TYPES: dict[Representation, str] = {"full": FULL, "abbreviated": ABBREVIATED}
-# What the abbreviated form keeps of each version (the registry's "corgi" documents).
-ABBREVIATED_FIELDS = (
-    "name", "version", "dist", "deprecated", "dependencies", "optionalDependencies",
-    "devDependencies", "bundleDependencies", "bundledDependencies", "peerDependencies",
-    "peerDependenciesMeta", "acceptDependencies", "bin", "directories", "engines", "os",
-    "cpu", "libc", "_hasShrinkwrap", "hasInstallScript", "funding", "license",
-)  # fmt: skip
-SRI_DIGESTS = {"sha1": "sha1", "sha256": "sha256", "sha384": "sha384", "sha512": "sha512"}
-SRI_STRENGTH = ("sha1", "sha256", "sha384", "sha512")  # weakest first
 DEFAULT_MAX_PACKUMENT_SIZE = 128 * 2**20  # the largest public packuments are tens of MB
 PACKAGE_NAME_MAX_CHARS = 214
 # Look-ups in stored packuments (versions, dist-tags) reading one at once: as many as
@@ -93,7 +92,6 @@ PACKAGE_NAME_MAX_CHARS = 214
 LOOK_UPS_AT_ONCE = 2
 LOOK_UP_WAIT_S = 30.0
 _PART_RE = re.compile(r"^[A-Za-z0-9~-][A-Za-z0-9._~-]*$")
-_VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,255}$")
 _TARBALL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+~-]{0,300}\.tgz$")
 _SCOPE_SEPARATOR_RE = re.compile("%2f", re.IGNORECASE)
 _ESCAPED_AT_RE = re.compile("^%40", re.IGNORECASE)
@@ -136,6 +134,13 @@ class PackageName:
 
     def tarball_key(self, filename: str) -> str:
         return f"{self.name}{TARBALL_SEPARATOR}{filename}"
+
+    def purl(self) -> PackageRef:
+        """``pkg:npm/left-pad``, ``pkg:npm/%40scope/name``: the purl of the package."""
+        scope, slash, bare = self.name.rpartition("/")
+        namespace = scope if slash else None
+        encoded = f"%40{scope[1:]}/{bare}" if slash else bare
+        return PackageRef("npm", bare, namespace=namespace, purl=f"pkg:npm/{encoded}")
 
     @classmethod
     def parse(cls, name: str) -> PackageName:
@@ -260,22 +265,22 @@ class NpmRepository:
 
     # -- packuments --------------------------------------------------------------------
 
-    def packument_spec(self, package: PackageName, representation: Representation) -> FetchSpec:
+    def packument_spec(self, package: PackageName) -> FetchSpec:
+        """A package's packument: one stored model, served full or abbreviated."""
         return FetchSpec(
-            key=f"packument/{package.name}#{representation}",
+            key=f"{PACKUMENT_PREFIX}{package.name}",
             kind=Kind.METADATA,
             origin=PackumentOrigin(
                 self.name,
                 self.registry + package.upstream_path,
                 package,
-                representation,
                 self.options.max_packument_size,
             ),
             ttl_s=self.options.metadata_ttl_s,
             negative_ttl_s=self.options.negative_ttl_s,
             stream=False,
-            base_url_marks=True,
             content=Content.ANY,  # parsed and rendered here: what is stored is ours
+            model=PACKUMENT,
         )
 
     async def _packument(self, request: Request, package: PackageName) -> Response:
@@ -284,17 +289,24 @@ class NpmRepository:
             raise NotAcceptable(
                 f"no acceptable representation; this registry serves {ABBREVIATED} and {FULL}"
             )
-        spec = self.packument_spec(package, representation)
+        spec = self.packument_spec(package)
         headers = {"content-type": CONTENT_TYPES[representation], "vary": "Accept"}
-        return await self.cache.respond(spec, request, headers)
+        return await self.cache.respond(spec, request, headers, representation=representation)
 
-    async def _look_up(self, package: PackageName, question: Callable[..., Any], *args: Any) -> Any:
-        """``question(body, *args)`` on our full packument of ``package``, in ``compute``
-        (a child process for all but tiny ones): only its small answer comes back, never
-        a parsed document of maybe millions of objects for the server to rebuild. The
-        body is read only once a parser is ours: clients waiting for one would each
-        hold a copy of a packument of tens of MB meanwhile."""
-        spec = self.packument_spec(package, "full")
+    async def _look_up(
+        self,
+        package: PackageName,
+        question: Callable[..., Any],
+        *args: Any,
+        representation: Representation | None = "full",
+    ) -> Any:
+        """``question(body, *args)`` on our full packument of ``package`` as clients get
+        it (without what the release policy withholds; ``representation`` None: as
+        stored), in ``compute`` (a child process for all but tiny ones): only its small
+        answer comes back, never a parsed document of maybe millions of objects for the
+        server to rebuild. The body is read only once a parser is ours: clients waiting
+        for one would each hold a copy of a packument of tens of MB meanwhile."""
+        spec = self.packument_spec(package)
         try:
             async with asyncio.timeout(LOOK_UP_WAIT_S):
                 await self._look_ups.acquire()
@@ -303,7 +315,9 @@ class NpmRepository:
                 f"the packument parsers stayed busy for {LOOK_UP_WAIT_S:.0f} s; retry"
             ) from None
         try:
-            body = await self.cache.read(spec, self.options.max_packument_size)
+            body = await self.cache.read(
+                spec, self.options.max_packument_size, representation or ""
+            )
             return await self.compute(question, body, *args)
         finally:
             self._look_ups.release()
@@ -323,7 +337,7 @@ class NpmRepository:
         return FetchSpec(
             key=key,
             kind=Kind.IMMUTABLE,
-            origin=TarballOrigin(key, lambda: self.packument_spec(package, "full")),
+            origin=TarballOrigin(key, lambda: self.packument_spec(package)),
             negative_ttl_s=self.options.negative_ttl_s,
             content=Content.GZIP,  # checked only if the packument gave no integrity
         )
@@ -340,35 +354,45 @@ class NpmRepository:
         the ``latest`` dist-tag names, or every version."""
         full_name = f"{package.namespace}/{package.name}" if package.namespace else package.name
         name = PackageName.parse(full_name)
-        chosen, missing = await self._look_up(name, versions_to_mirror, package.version, versions)
+        chosen, missing = await self._look_up(
+            name, versions_to_mirror, package.version, versions, representation=None
+        )
         if missing or not chosen:
             raise NotFound(
                 f"{package}: {name.name} lists no version {', '.join(missing) or 'latest'}"
             )
         return [self.tarball_spec(name, tarball_file(name, version)) for version in chosen]
 
+    # -- the release policy's questions (contract.Releases) ----------------------------
+
+    def published(self, version: PackageVersion) -> PublishedIn:
+        """A version's publish time is its packument's ``time``."""
+        return PublishedIn(self.packument_spec(PackageName(version.package)))
+
+    def releases_index(self, package: str) -> FetchSpec:
+        return self.packument_spec(PackageName(package))
+
 
 def tarball_file(package: PackageName, version: str) -> str:
-    return f"{package.unscoped}-{version}.tgz"
+    return tarball_key(package.name, version).rpartition("/")[2]
+
+
+def render_packument(
+    body: bytes, page_url: str, repository: str, name: str
+) -> tuple[bytes, LinkBatch]:
+    """Our stored model of an upstream packument (``npm_packument.neutral``)."""
+    return neutral(body, page_url, repository, name)
 
 
 class PackumentOrigin:
     """Fetches one upstream packument (always the full document), records the tarball
-    links it lists and renders our neutral form of one representation. Parsing and
-    rendering run in ``ctx.compute`` (a child process for all but tiny documents)."""
+    links it lists and makes our neutral model of it (``npm_packument``). Parsing runs
+    in ``ctx.compute`` (a child process for all but tiny documents)."""
 
-    def __init__(
-        self,
-        repository: str,
-        url: str,
-        package: PackageName,
-        representation: Representation,
-        max_size: int,
-    ) -> None:
+    def __init__(self, repository: str, url: str, package: PackageName, max_size: int) -> None:
         self.repository = repository
         self.url = url
         self.package = package
-        self.representation = representation
         self.max_size = max_size
 
     @asynccontextmanager
@@ -391,13 +415,8 @@ class PackumentOrigin:
                 )
             body = await response.read(self.max_size)
             try:
-                rendered, links = await ctx.compute(
-                    render_packument,
-                    body,
-                    response.url,
-                    self.repository,
-                    self.package.name,
-                    self.representation,
+                model, links = await ctx.compute(
+                    neutral, body, response.url, self.repository, self.package.name
                 )
             except FetchError:
                 raise  # the parse itself failed (took too long, its process died)
@@ -416,163 +435,11 @@ class PackumentOrigin:
             await ctx.links.record(links)
             yield Fetched(
                 Status.OK,
-                body=_one_chunk(rendered),
-                content_type=CONTENT_TYPES[self.representation],
-                length=len(rendered),
+                body=_one_chunk(model),
+                content_type=FULL,
+                length=len(model),
                 validators=validators,
             )
-
-
-def render_packument(
-    body: bytes, page_url: str, repository: str, name: str, representation: Representation
-) -> tuple[bytes, LinkBatch]:
-    """Our neutral form of an upstream packument, and its tarball links (runs in
-    ``ctx.compute``). Every ``dist.tarball`` becomes ``BASE_URL_MARK`` + our path of it;
-    versions we could not serve safely (an odd version string, no http(s) tarball URL)
-    are left out, and dist-tags naming them too. ``ValueError`` if it is no packument
-    (not JSON, nested past Python's recursion limit, NaN or Infinity, which npm's JSON
-    parser refuses)."""
-    try:
-        return _render_packument(body, page_url, repository, name, representation)
-    except RecursionError:
-        raise ValueError("it is nested too deeply") from None
-
-
-def _render_packument(
-    body: bytes, page_url: str, repository: str, name: str, representation: Representation
-) -> tuple[bytes, LinkBatch]:
-    document = json.loads(body, parse_constant=_refuse_constant)
-    if not isinstance(document, dict) or not isinstance(document.get("versions", {}), dict):
-        raise ValueError("expected an object with a versions object")
-    if document.get("name", name) != name:
-        raise ValueError(f"it describes {document.get('name')!r}, not {name!r}")
-    package = PackageName(name)
-    # A token no upstream text can hold, put where the marks go: after json.dumps (which
-    # escapes every control character) it is swapped for the mark itself.
-    token = "npm-proxy-" + secrets.token_hex(16)
-    links = []
-    versions: dict[str, Any] = {}
-    for version, manifest in document.get("versions", {}).items():
-        if not (
-            isinstance(version, str) and _VERSION_RE.match(version) and isinstance(manifest, dict)
-        ):
-            continue
-        dist = manifest.get("dist")
-        if not isinstance(dist, dict) or not isinstance(dist.get("tarball"), str):
-            continue
-        tarball: str = dist["tarball"]
-        url = urljoin(page_url, tarball)
-        if urlsplit(url).scheme not in ("http", "https"):
-            continue
-        key = package.tarball_key(tarball_file(package, version))
-        links.append(Link(repository, key, url, dist_digests(dist)))
-        versions[version] = {**manifest, "dist": {**dist, "tarball": token + key}}
-    tags = document.get("dist-tags")
-    tags = (
-        {
-            t: v
-            for t, v in tags.items()
-            if isinstance(t, str) and isinstance(v, str) and v in versions
-        }
-        if isinstance(tags, dict)
-        else {}
-    )
-    if representation == "full":
-        rendered: dict[str, Any] = {
-            **document,
-            "name": name,
-            "dist-tags": tags,
-            "versions": versions,
-        }
-    else:
-        modified = document.get("modified")
-        if modified is None and isinstance(document.get("time"), dict):
-            modified = document["time"].get("modified")
-        rendered = {
-            "name": name,
-            **({"modified": modified} if isinstance(modified, str) else {}),
-            "dist-tags": tags,
-            "versions": {
-                v: {field: m[field] for field in ABBREVIATED_FIELDS if field in m}
-                for v, m in versions.items()
-            },
-        }
-    text = json.dumps(rendered, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
-    return text.replace(token, BASE_URL_MARK).encode("ascii"), LinkBatch.encode(links)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"it holds {name}, which is not JSON")
-
-
-def dist_digests(dist: dict[str, Any]) -> Digests:
-    """What a tarball must match, as npm checks it: the strongest algorithm of
-    ``dist.integrity`` (Subresource Integrity: ``sha512-<base64>``, several separated by
-    spaces; its first value), else ``dist.shasum`` (sha1, hex). npm checks nothing else,
-    so neither do we: a stale ``shasum`` beside a right sha512 would otherwise refuse a
-    tarball npm installs. A malformed value is left out (npm would not use it either)."""
-    found: Digests = {}
-    integrity = dist.get("integrity")
-    if isinstance(integrity, str):
-        for token in integrity.split():
-            algorithm, _, value = token.partition("-")
-            name = SRI_DIGESTS.get(algorithm.lower())
-            if name is None or name not in KNOWN_DIGESTS or name in found:
-                continue
-            try:
-                raw = base64.b64decode(value.split("?")[0], validate=True)
-            except (binascii.Error, ValueError):
-                continue
-            if len(raw) == hashlib.new(name).digest_size:
-                found[name] = raw.hex()
-    if found:
-        strongest = max(found, key=SRI_STRENGTH.index)
-        return {strongest: found[strongest]}
-    shasum = dist.get("shasum")
-    if isinstance(shasum, str) and re.fullmatch(r"[0-9a-fA-F]{40}", shasum):
-        return {"sha1": shasum.lower()}
-    return {}
-
-
-# Questions on our own stored packuments (run in ``compute``). Their marks are raw NULs
-# inside strings, which no escaped text holds: parsed as a token, so what they stand for
-# is told apart from any other text, and put back as marks in what is answered.
-
-
-def _parse_stored(body: bytes, token: str) -> dict[str, Any]:
-    document: dict[str, Any] = json.loads(body.replace(BASE_URL_MARK.encode(), token.encode()))
-    return document
-
-
-def dist_tags_of(body: bytes) -> bytes:
-    """The packument's dist-tags, as JSON."""
-    return json.dumps(_parse_stored(body, "")["dist-tags"]).encode()
-
-
-def versions_to_mirror(
-    body: bytes, version: str | None, versions: MirrorVersions
-) -> tuple[list[str], list[str]]:
-    """(the versions to warm, those asked for that the packument does not list)."""
-    document = _parse_stored(body, "")
-    listed = list(document["versions"])
-    if version is not None:
-        chosen = [version]
-    elif versions == "all":
-        chosen = listed
-    else:
-        chosen = [v for v in (document["dist-tags"].get("latest"),) if v is not None]
-    return chosen, [v for v in chosen if v not in document["versions"]]
-
-
-def manifest_of(body: bytes, wanted: str) -> bytes | None:
-    """One version's document (``wanted``: a version or a dist-tag) as JSON, its marks
-    in place; None if there is no such version."""
-    token = "npm-proxy-" + secrets.token_hex(16)
-    document = _parse_stored(body, token)
-    manifest = document["versions"].get(document["dist-tags"].get(wanted, wanted))
-    if not isinstance(manifest, dict):
-        return None
-    return json.dumps(manifest, ensure_ascii=True).replace(token, BASE_URL_MARK).encode("ascii")
 
 
 class TarballOrigin:
@@ -624,13 +491,15 @@ async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
 
 
 TARBALL_SEPARATOR = "/-/"
+PACKUMENT_PREFIX = "packument/"
 
 
 def package_of(key: str) -> PackageVersion | None:
-    """``packument/<name>#...`` -> the package; ``<name>/-/<unscoped>-<version>.tgz`` ->
+    """``packument/<name>`` -> the package; ``<name>/-/<unscoped>-<version>.tgz`` ->
     the package and the version its file name states."""
-    if key.startswith("packument/"):
-        name = key[len("packument/") :].partition("#")[0]
+    if key.startswith(PACKUMENT_PREFIX):
+        # (stored before the packument was one model: "packument/<name>#<form>")
+        name = key[len(PACKUMENT_PREFIX) :].partition("#")[0]
         return PackageVersion(name) if name else None
     name, separator, filename = key.partition(TARBALL_SEPARATOR)
     if not separator or not name:
@@ -642,12 +511,28 @@ def package_of(key: str) -> PackageVersion | None:
     return PackageVersion(name, version)
 
 
+def purl_of(package: str) -> PackageRef:
+    return PackageName(package).purl()
+
+
+def name_of(package: PackageRef) -> str:
+    full_name = f"{package.namespace}/{package.name}" if package.namespace else package.name
+    return PackageName.parse(full_name).name
+
+
 FORMAT = FormatPlugin(
     name="npm",
     options=NpmOptions,
     proxying=Proxying(build=NpmRepository, max_upstreams=1),
     mirroring=Mirroring(purl_types=("npm",), keys=NpmRepository.mirror),
     packages=Packages(of=package_of),
+    releases=Releases(
+        purl_type="npm",
+        purl=purl_of,
+        package=name_of,
+        index=NpmRepository.releases_index,
+        published=NpmRepository.published,
+    ),
     error_bodies="json",  # npm shows the message of a JSON error only
     default_repository={"name": "npm", "format": "npm"},
 )
