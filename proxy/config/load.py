@@ -158,6 +158,9 @@ class Needs:
 EVERYTHING = Needs()
 
 
+EMBEDDED_DEFAULTS = "embedded defaults"  # the source of settings read from no file
+
+
 def load(
     path: str | os.PathLike[str] | None, environ: Mapping[str, str], needs: Needs = EVERYTHING
 ) -> Settings:
@@ -169,7 +172,7 @@ def load(
         path = environ.get("PROXY_CONFIG") or None
     if path is None:
         raw: dict[str, Any] = {}
-        source = "embedded defaults"
+        source = EMBEDDED_DEFAULTS
     else:
         source = str(path)
         try:
@@ -212,7 +215,7 @@ def object_storage_target(
     if not url.startswith("s3://"):
         parser.error("--to", f"{url!r} is not an s3://BUCKET/PREFIX/ URL")
         raise ConfigError(parser.errors)
-    target, _folder = parser.storage_url(table, "embedded defaults")
+    target, _folder = parser.storage_url(table, EMBEDDED_DEFAULTS)
     if parser.errors or target is None:
         flags = {"storage.url": "--to", "storage.s3.endpoint": "--endpoint"}
         flags["storage.s3.region"] = "--region"
@@ -596,7 +599,7 @@ class _Parser:
                 'in progress and its copies of blobs, e.g. "/var/cache/proxy"',
             )
         local_path = Path(local_cache or ".")
-        if local_cache and not local_path.is_absolute() and source != "embedded defaults":
+        if local_cache and not local_path.is_absolute() and source != EMBEDDED_DEFAULTS:
             local_path = Path(source).resolve().parent / local_path
         max_size = self.value(
             storage, "storage", "local_cache_max_size", Size(), DEFAULT_LOCAL_CACHE_MAX_SIZE
@@ -923,7 +926,7 @@ class _Parser:
         sbom = None
         if sbom_text:
             sbom = Path(sbom_text)
-            if not sbom.is_absolute() and source != "embedded defaults":
+            if not sbom.is_absolute() and source != EMBEDDED_DEFAULTS:
                 sbom = Path(source).resolve().parent / sbom  # beside the config file
         repository = self.value(raw, where, "repository", Text())
         mirrorable = {
@@ -1073,7 +1076,7 @@ class _Parser:
             missing, given = ("tls_key", "tls_cert") if cert else ("tls_cert", "tls_key")
             self.error(f"server.{missing}", f"is required when server.{given} is set")
             return None
-        base = Path(source).resolve().parent if source != "embedded defaults" else Path.cwd()
+        base = Path(source).resolve().parent if source != EMBEDDED_DEFAULTS else Path.cwd()
         paths = {}
         for name, text in (("tls_cert", cert), ("tls_key", key)):
             path = Path(text) if Path(text).is_absolute() else base / text

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,16 +25,18 @@ from starlette.routing import BaseRoute, Mount, Route
 from proxy import admin
 from proxy.admin.requests import AdminState
 from proxy.clock import SYSTEM_CLOCK, Clock
+from proxy.config.load import EMBEDDED_DEFAULTS, load
 from proxy.config.settings import Settings
 from proxy.contract import Request
 from proxy.contract import Response as ASGIResponse
 from proxy.engine import Engine, Seams, open_engine
-from proxy.exceptions import CatalogError, NotConfigured, NotFound
+from proxy.exceptions import CatalogError, ConfigError, NotConfigured, NotFound
 from proxy.http import errors, responses
 from proxy.http.access_log import AccessLogMiddleware
 from proxy.http.paths import check_headers, request_headers, split_path
 from proxy.redaction import redact
 from proxy.runtime import metrics
+from proxy.runtime.blocking import run_blocking
 from proxy.types import Receive, Scope, Send
 
 log = logging.getLogger("proxy.app")
@@ -43,17 +46,12 @@ BODY_METHODS = frozenset({"PUT", "POST", "PATCH"})
 KNOWN_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"})
 
 
-class ShutdownSignal:
-    """How the process owner (``proxy/http/server.py``) starts the app's shutdown early.
-
-    The server drains open connections before the lifespan shutdown runs; a client
-    streaming a download would hold our fetch leases for that whole time. ``request``
-    starts our own shutdown at once: fetches are cancelled and their leases released,
-    so another replica takes over in milliseconds (docs/architecture.md, "Clean
-    shutdown"). It is called from a signal handler, which may interrupt anything on
-    the main thread, even itself: so no lock, only single assignments (atomic), and a
-    callback that tolerates being scheduled twice.
-    """
+class LoopSignal:
+    """A request made from a signal handler of the process owner
+    (``proxy/http/server.py``), run as ``callback`` on the app's event loop. A handler
+    may interrupt anything on the main thread, even itself: so no lock, only single
+    assignments (atomic), and a callback that tolerates being scheduled twice. One asked
+    for before the app is ready runs once it is."""
 
     def __init__(self) -> None:
         self._target: tuple[asyncio.AbstractEventLoop, Callable[[], object]] | None = None
@@ -76,19 +74,65 @@ class ShutdownSignal:
                 loop.call_soon_threadsafe(callback)
 
 
+class ShutdownSignal(LoopSignal):
+    """How the process owner starts the app's shutdown early (SIGTERM, SIGINT).
+
+    The server drains open connections before the lifespan shutdown runs; a client
+    streaming a download would hold our fetch leases for that whole time. ``request``
+    starts our own shutdown at once: fetches are cancelled and their leases released,
+    so another replica takes over in milliseconds (docs/architecture.md, "Clean
+    shutdown").
+    """
+
+
+class ReloadSignal(LoopSignal):
+    """How the process owner asks for ``[policy]`` to be read again (SIGHUP): see
+    ``reload_policy``."""
+
+
+async def reload_policy(engine: Engine, settings: Settings) -> bool:
+    """Read the configuration ``settings`` came from again and apply its ``[policy]``
+    (and the repositories' ``cooldown``) to ``engine``; nothing else of it changes
+    (docs/architecture.md, "Release policy"). A file with errors keeps the policy in
+    force and logs each error with its key. True if the new policy applies."""
+    path = None if settings.source == EMBEDDED_DEFAULTS else settings.source
+    try:
+        # The environment is read again too: it overrides the file as at start.
+        reloaded = await run_blocking(load, path, dict(os.environ))
+    except ConfigError as exc:
+        for error in exc.errors:
+            log.error("policy reload: %s", redact(error))
+        log.error("policy reload failed: the policy in force stays")
+        metrics.POLICY_RELOADS.labels("failed").inc()
+        return False
+    engine.reload_policy(reloaded)
+    metrics.POLICY_RELOADS.labels("ok").inc()
+    log.info("policy reloaded from %s", reloaded.source)
+    return True
+
+
 def create_app(
     settings: Settings,
     clock: Clock = SYSTEM_CLOCK,
     shutdown: ShutdownSignal | None = None,
     seams: Seams | None = None,
+    reload: ReloadSignal | None = None,
 ) -> Starlette:
     shutdown = shutdown or ShutdownSignal()
+    reload = reload or ReloadSignal()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         async with open_engine(settings, clock, seams) as engine:
             engine.start_background()
-            shutdown.attach(asyncio.get_running_loop(), engine.stop)
+            loop = asyncio.get_running_loop()
+            shutdown.attach(loop, engine.stop)
+
+            def start_reload() -> None:
+                with contextlib.suppress(RuntimeError):  # shutting down: nothing to reload
+                    engine.tasks.spawn("policy-reload", reload_policy(engine, settings))
+
+            reload.attach(loop, start_reload)
             log.info(
                 "proxy ready: holder=%s catalog=%s storage=%s repositories=%s",
                 engine.holder,
@@ -99,6 +143,7 @@ def create_app(
             try:
                 yield {"proxy": engine, "admin": AdminState.of(engine, settings)}
             finally:
+                reload.detach()
                 shutdown.detach()
 
     return Starlette(

@@ -7,9 +7,12 @@ main thread catches SIGTERM/SIGINT, starts the app's own shutdown at once throug
 ``ShutdownSignal`` (fetches cancelled, leases released: another replica takes over in
 milliseconds), then asks the server to drain and stop through ``should_exit``, the
 switch uvicorn documents for stopping a server it did not start from the command line.
+SIGHUP reads the release policy again (``ReloadSignal``, docs/architecture.md, "Release
+policy").
 
 With ``--workers N`` the supervisor binds the socket once, starts N spawned worker
-processes that share it, forwards signals to them and restarts one that dies.
+processes that share it, forwards signals to them (SIGHUP too: each worker reloads on
+its own) and restarts one that dies.
 """
 
 from __future__ import annotations
@@ -135,14 +138,14 @@ def run_process(
     """Serve on ``sock`` in this process until a signal (or the parent's death)."""
     import uvicorn
 
-    from proxy.http.app import ShutdownSignal, create_app
+    from proxy.http.app import ReloadSignal, ShutdownSignal, create_app
     from proxy.http.protocol import GuardedHttpToolsProtocol
 
-    shutdown = ShutdownSignal()
+    shutdown, reload = ShutdownSignal(), ReloadSignal()
     open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     tls = settings.tls
     config = uvicorn.Config(
-        create_app(settings, shutdown=shutdown),
+        create_app(settings, shutdown=shutdown, reload=reload),
         loop="uvloop",
         http=GuardedHttpToolsProtocol,
         lifespan="on",
@@ -170,7 +173,7 @@ def run_process(
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="http-server", daemon=True
     )
-    with _handling_signals(stop):
+    with _handling_signals(stop, lambda signum, frame: reload.request()):
         thread.start()
         while thread.is_alive():
             thread.join(PARENT_CHECK_INTERVAL_S)
@@ -194,7 +197,13 @@ def supervise(settings: Settings, sock: socket.socket, workers: int, logs: LogOp
 
     def start() -> multiprocessing.process.BaseProcess:
         process = context.Process(target=_worker_main, args=args, name="proxy-worker")
-        process.start()
+        # A new worker inherits SIGHUP blocked, until its handler is in place: one
+        # forwarded before would end it (the default action) instead of reloading.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         return process
 
     processes = [start() for _ in range(workers)]
@@ -210,9 +219,16 @@ def supervise(settings: Settings, sock: socket.socket, workers: int, logs: LogOp
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, forward)
 
+    def reload(signum: int, frame: FrameType | None) -> None:
+        # Each worker reads the file itself: one that is started later reads it anyway.
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGHUP)
+
     status = 0
     try:
-        with _handling_signals(stop):
+        with _handling_signals(stop, reload):
             while not stopping.is_set():
                 for i, process in enumerate(processes):
                     if process.is_alive() or stopping.is_set():
@@ -254,10 +270,15 @@ def _worker_main(
     raise SystemExit(run_process(settings, sock, logs, parent_pid))
 
 
+Handler = Callable[[int, FrameType | None], None]
+
+
 @contextlib.contextmanager
-def _handling_signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    sigs = (signal.SIGTERM, signal.SIGINT)
-    previous = {sig: signal.signal(sig, handler) for sig in sigs}
+def _handling_signals(stop: Handler, reload: Handler) -> Iterator[None]:
+    """SIGTERM and SIGINT stop; SIGHUP reloads the release policy."""
+    handlers = {signal.SIGTERM: stop, signal.SIGINT: stop, signal.SIGHUP: reload}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # see supervise's start
     try:
         yield
     finally:
