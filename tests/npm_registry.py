@@ -115,6 +115,7 @@ class NpmRegistry:
     latest: dict[str, str] = field(default_factory=dict)  # name -> version, else the last
     tampered: set[tuple[str, str]] = field(default_factory=set)  # (name, version)
     statuses: dict[str, int] = field(default_factory=dict)  # path -> status to answer
+    publish_times: dict[tuple[str, str], str] = field(default_factory=dict)  # else in 2024
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)
     base_url: str = ""
 
@@ -146,7 +147,9 @@ class NpmRegistry:
                 },
                 "_id": f"{name}@{t.version}",
             }
-            times[t.version] = f"2024-01-{i + 2:02d}T00:00:00.000Z"
+            times[t.version] = self.publish_times.get(
+                (name, t.version), f"2024-01-{i + 2:02d}T00:00:00.000Z"
+            )
         times["modified"] = times[published[-1].version]
         return {
             "_id": name,

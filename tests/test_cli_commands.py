@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 from tests.conftest import write_config
+from tests.npm_registry import NpmRegistry, Tarball, start_registry
 from tests.upstream import FakeUpstream, ProjectFile
 
 COMMANDS = ("serve", "check-config", "migrate", "gc", "stats", "mirror", "jobs", "policy")
@@ -324,3 +325,45 @@ def test_policy_explain_prints_each_decision_and_why(
     other = run(tmp_path, "policy", "explain", "-c", str(config), "pkg:gem/rails")
     assert other.returncode == 1
     assert "judges no 'gem' packages in any (it judges pypi)" in other.stderr
+
+
+def test_policy_explain_judges_npm_packages_scoped_or_not(tmp_path: Path) -> None:
+    registry = NpmRegistry()
+    for name, version in (("left-pad", "1.0.0"), ("left-pad", "1.1.0"), ("@acme/util", "2.0.0")):
+        registry.publish(Tarball(name, version, b"\x1f\x8b" + version.encode(), {}))
+    yesterday = datetime.fromtimestamp(time.time() - 86400, UTC)
+    registry.publish_times[("left-pad", "1.1.0")] = yesterday.strftime("%Y-%m-%dT%H:%M:%S.000Z")
+    server = start_registry(registry)
+    try:
+        config = write_config(
+            tmp_path,
+            f"""
+            [storage]
+            path = "{tmp_path / "data"}"
+            [policy]
+            cooldown = "3d"
+            [[policy.rules]]
+            match = "pkg:npm/%40acme/util"
+            action = "deny"
+            reason = "INC-8"
+            [[repositories]]
+            name = "npm"
+            format = "npm"
+            upstream = "{server.url}/"
+            """,
+        )
+        every = run(
+            tmp_path, "policy", "explain", "-c", str(config), "pkg:npm/left-pad",
+            "pkg:npm/%40acme/util@2.0.0",
+        )  # fmt: skip
+        assert every.returncode == 0, every.stderr
+        lines = every.stdout.splitlines()
+        assert lines[0].startswith("npm: pkg:npm/left-pad@1.0.0 is allowed by the release policy")
+        assert lines[1].startswith("npm: pkg:npm/left-pad@1.1.0 is held back until ")
+        assert "(time)" in lines[1]
+        assert lines[2].startswith("npm: pkg:npm/%40acme/util@2.0.0 is denied")
+        assert "INC-8" in lines[2]
+        # Nothing was served: the packument was asked for, no tarball.
+        assert not any("/-/" in path for _, path in registry.requests)
+    finally:
+        server.stop()

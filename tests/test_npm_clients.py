@@ -18,6 +18,7 @@ import subprocess
 import textwrap
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -344,3 +345,36 @@ def test_sigkill_of_a_packument_holder_leaves_every_waiter_its_own_urls(
         for replica in started:
             replica.stop()
         shutil.rmtree(tmp_path / "shared", ignore_errors=True)
+
+
+def test_npm_under_a_cooldown_installs_the_newest_allowed_version_and_ci_of_a_held_one_fails(
+    tmp_path: Path, registry: tuple[NpmRegistry, ServerThread], start_proxy: ProxyFactory
+) -> None:
+    """left-pad 1.1.0 was published a day ago: through a 3-day cooldown ``^1.0.0``
+    resolves to 1.0.0, and a lock file made elsewhere that names 1.1.0's tarball fails
+    with the proxy's 403, its reason shown by npm."""
+    fake, _server = registry
+    yesterday = datetime.now(UTC) - timedelta(days=1)
+    fake.publish_times[("left-pad", "1.1.0")] = yesterday.strftime("%Y-%m-%dT%H:%M:%S.000Z")
+    plain = start_proxy(
+        load(write_config(tmp_path, npm_config(tmp_path / "a", fake.base_url), "a.toml"), {})
+    )
+    held_config = npm_config(tmp_path / "b", fake.base_url) + '\n[policy]\ncooldown = "3d"\n'
+    held = start_proxy(load(write_config(tmp_path, held_config, "b.toml"), {}))
+
+    newest = project(tmp_path / "newest", {"left-pad": "^1.0.0"})
+    assert install(newest, plain.url, tmp_path / "home-plain").returncode == 0
+    assert installed(newest) == {"left-pad": "1.1.0"}
+    allowed = project(tmp_path / "allowed", {"left-pad": "^1.0.0"})
+    result = install(allowed, held.url, tmp_path / "home-held")
+    assert result.returncode == 0, result.stderr
+    assert installed(allowed) == {"left-pad": "1.0.0"}
+
+    locked = project(tmp_path / "locked", {"left-pad": "^1.0.0"})
+    lock_text = (newest / "package-lock.json").read_text().replace(plain.url, held.url)
+    (locked / "package-lock.json").write_text(lock_text)
+    result = install(locked, held.url, tmp_path / "home-ci", command="ci")
+    assert result.returncode != 0
+    assert "403" in result.stderr and "pkg:npm/left-pad@1.1.0 is held back until" in (
+        result.stderr
+    ), result.stderr

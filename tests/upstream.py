@@ -69,6 +69,8 @@ class FakeUpstream:
     projects: dict[str, list[ProjectFile]] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)  # any other path -> body
     content_types: dict[str, str] = field(default_factory=dict)  # path -> its Content-Type
+    last_modified: dict[str, str] = field(default_factory=dict)  # path -> its Last-Modified
+    directory_last_modified: str | None = None  # the Last-Modified of every file of it
     directory: Path | None = None  # serve this folder for paths not in `files`
     faults: dict[str, Fault] = field(default_factory=dict)
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -142,6 +144,8 @@ class FakeUpstream:
             await _send(send, 304, b"", extra_headers)
             return
         response_headers = [(b"content-type", content_type.encode()), *extra_headers]
+        if path in self.last_modified:
+            response_headers.append((b"last-modified", self.last_modified[path].encode()))
         if method == "HEAD":
             if fault is None or not fault.chunked:  # chunked: a GET would not say it either
                 response_headers.append((b"content-length", str(len(body)).encode()))
@@ -206,7 +210,9 @@ class FakeUpstream:
             target = self.directory / relative
             # Symlinks are followed (Debian's repository is made of them); '..' is not.
             if not relative.startswith("..") and target.is_file():
-                return 200, target.read_bytes(), "application/octet-stream", []
+                stamp = self.directory_last_modified
+                extra = [(b"last-modified", stamp.encode())] if stamp is not None else []
+                return 200, target.read_bytes(), "application/octet-stream", extra
         return None
 
     def _index(
