@@ -4,21 +4,27 @@ paying a timeout; one probe per backoff window finds out when it is back (issue 
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from proxy.clock import ManualClock
 from proxy.config.load import load
-from proxy.exceptions import UpstreamDown
+from proxy.config.settings import UpstreamSettings
+from proxy.exceptions import UpstreamDown, UpstreamError
 from proxy.http.errors import rule_for
 from proxy.upstream import circuit as circuit_module
+from proxy.upstream import client as client_module
 from proxy.upstream.circuit import BACKOFF_MAX_S, FAILURES_TO_OPEN, Circuit, State
+from proxy.upstream.client import UpstreamPool
 from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.processes import metric_value
-from tests.upstream import FakeUpstream, ProjectFile
+from tests.upstream import FakeUpstream, ProjectFile, start_upstream
 
 
 class FakeTime:
@@ -130,3 +136,49 @@ def test_an_upstream_that_is_down_costs_no_more_requests_stale_pages_go_at_once(
             metric_value(client.get("/metrics").text, "proxy_upstream_circuit_state", host=host)
             == 0
         )
+
+
+def test_an_upstream_redirecting_to_ever_new_hosts_grows_no_table_or_label_without_bound(
+    upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every host a redirect named got a circuit, a transfer slot, a health record (in
+    the heartbeat row, the console and /api/v1/stats) and label values of
+    proxy_upstream_circuit_state and proxy_upstream_errors_total, for ever: an upstream
+    redirecting each file to a host of its own grew them all by one per request."""
+    monkeypatch.setattr(client_module, "MAX_HOSTS", 20, raising=False)
+    tag = f"t{time.monotonic_ns()}"
+    for i in range(60):
+        upstream.fault(f"/releases/f{i}", redirect_to=f"http://h{i}-{tag}.invalid/f")
+    failing = FakeUpstream()
+    failing.fault("/down", status=503)
+    down = start_upstream(failing)
+    down_host = down.url.split("//", 1)[1]
+
+    async def scenario() -> UpstreamPool:
+        pool = UpstreamPool(UpstreamSettings(retries=0))
+        urls = (upstream.base_url + "/releases/", down.url + "/")
+        client = pool.for_repository("tools", urls)
+        try:
+            for _ in range(FAILURES_TO_OPEN):  # a configured host's outage is kept
+                with pytest.raises(UpstreamError):
+                    async with client.open("GET", down.url + "/down"):
+                        pass
+            for i in range(60):
+                with pytest.raises(UpstreamError):
+                    async with client.open("GET", f"{upstream.base_url}/releases/f{i}"):
+                        pass
+        finally:
+            await pool.aclose()
+        return pool
+
+    try:
+        pool = asyncio.run(scenario())
+    finally:
+        down.stop()
+    assert len(pool.circuits) <= 20 and len(pool.health.hosts) <= 20
+    assert len(pool._slots) <= 20
+    assert pool.circuits[down_host].state is not State.CLOSED, "an open circuit is kept"
+    exposed = generate_latest(REGISTRY).decode()
+    for metric in ("proxy_upstream_circuit_state", "proxy_upstream_errors_total"):
+        labelled = set(re.findall(rf'{metric}{{host="(h\d+-{tag}\.invalid)"', exposed))
+        assert len(labelled) <= 20, (metric, len(labelled))

@@ -15,6 +15,7 @@ URL our SSRF policy refuses are answers, not outages.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import random
@@ -112,6 +113,11 @@ class Circuit:
         """A request ended with neither verdict (refused by our policy, cancelled)."""
         if probe:
             self._probing = False
+
+    def forget(self) -> None:
+        """No longer kept (``UpstreamPool.circuit``): its gauge's label goes too."""
+        with contextlib.suppress(KeyError):
+            metrics.UPSTREAM_CIRCUIT_STATE.remove(self.host)
 
     def _down_for_s(self) -> float:
         return time.time() - self.down_since if self.down_since is not None else 0.0

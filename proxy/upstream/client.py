@@ -31,6 +31,7 @@ import logging
 import random
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -53,7 +54,7 @@ from proxy.http.semantics import RETRY_AFTER_DEFAULT_S, header_value_ok, parse_r
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.units import format_duration, format_size
-from proxy.upstream.circuit import Circuit
+from proxy.upstream.circuit import Circuit, State
 from proxy.upstream.health import UpstreamHealth
 from proxy.upstream.ssrf import AddressPolicy
 
@@ -65,6 +66,10 @@ RETRY_AFTER_MAX_S = 5.0
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 10
+# Upstream hosts remembered at once (circuits, health) and named in metrics labels: a
+# redirect may name any host, and an upstream that names a new one each time must not
+# grow them without end.
+MAX_HOSTS = 256
 LOCATION_EXTENSION = "proxy.location"  # where a redirect's Location is kept (see below)
 # Bodies read whole into memory (index pages, checksum files), all requests together:
 # past this, readers wait for each other instead of growing the process.
@@ -170,16 +175,35 @@ class UpstreamPool:
         self.settings = settings
         self.client = client or build_client(settings)
         self.budget = ByteBudget(BUFFERED_BODIES_MAX_BYTES)
-        self.health = UpstreamHealth()
-        self._slots: dict[str, asyncio.Semaphore] = {}
-        self.circuits: dict[str, Circuit] = {}
+        self.health = UpstreamHealth(MAX_HOSTS)
+        # Only hosts with a transfer in progress or waiting for one (with how many).
+        self._slots: dict[str, tuple[asyncio.Semaphore, int]] = {}
+        self.circuits: OrderedDict[str, Circuit] = OrderedDict()  # least recently used first
+        self._labelled: set[str] = set()
 
     def circuit(self, host: str) -> Circuit:
-        """The outage memory of ``host`` (upstream/circuit.py), shared by repositories."""
+        """The outage memory of ``host`` (upstream/circuit.py), shared by repositories.
+        At most ``MAX_HOSTS`` are kept: a closed one is forgotten first (it remembers
+        nothing), else the one least recently used."""
         circuit = self.circuits.get(host)
-        if circuit is None:
-            circuit = self.circuits[host] = Circuit(host)
+        if circuit is not None:
+            self.circuits.move_to_end(host)
+            return circuit
+        if len(self.circuits) >= MAX_HOSTS:
+            closed = (h for h, c in self.circuits.items() if c.state is State.CLOSED)
+            self.circuits.pop(next(closed, next(iter(self.circuits)))).forget()
+        circuit = self.circuits[host] = Circuit(host)
         return circuit
+
+    def label(self, host: str) -> str:
+        """``host`` as a metrics label: the first ``MAX_HOSTS`` hosts seen by name, any
+        later one as "other" (a label value lives as long as the process)."""
+        if host in self._labelled:
+            return host
+        if len(self._labelled) < MAX_HOSTS:
+            self._labelled.add(host)
+            return host
+        return "other"
 
     def outages(self) -> list[str]:
         """One line per upstream host that is down now (for /readyz)."""
@@ -194,23 +218,34 @@ class UpstreamPool:
     async def slot(self, host: str) -> AsyncIterator[None]:
         """One of ``host``'s transfer slots for as long as the transfer runs."""
         limit = self.settings.max_connections
-        semaphore = self._slots.get(host)
-        if semaphore is None:
-            semaphore = self._slots[host] = asyncio.Semaphore(limit)
+        semaphore, users = self._slots.get(host) or (asyncio.Semaphore(limit), 0)
+        self._slots[host] = (semaphore, users + 1)
         try:
-            async with asyncio.timeout(self.settings.connect_timeout_s):
-                await semaphore.acquire()
-        except TimeoutError:
-            metrics.UPSTREAM_ERRORS.labels(host=host, reason="busy").inc()
-            raise RetryLater(
-                f"upstream {host} already has {limit} transfers in progress "
-                "(upstream.max_connections); retry",
-                retry_after_s=RETRY_AFTER_DEFAULT_S,  # stated: _outage keeps the longest wait
-            ) from None
-        try:
-            yield
+            try:
+                async with asyncio.timeout(self.settings.connect_timeout_s):
+                    await semaphore.acquire()
+            except TimeoutError:
+                metrics.UPSTREAM_ERRORS.labels(host=self.label(host), reason="busy").inc()
+                raise RetryLater(
+                    f"upstream {host} already has {limit} transfers in progress "
+                    "(upstream.max_connections); retry",
+                    retry_after_s=RETRY_AFTER_DEFAULT_S,  # stated: _outage keeps the longest
+                ) from None
+            try:
+                yield
+            finally:
+                semaphore.release()
         finally:
-            semaphore.release()
+            self._leave_slots(host)
+
+    def _leave_slots(self, host: str) -> None:
+        """One user fewer of ``host``'s slots; with none left they are forgotten (a new
+        semaphore is the same as an idle one), so the table holds busy hosts only."""
+        semaphore, users = self._slots[host]
+        if users > 1:
+            self._slots[host] = (semaphore, users - 1)
+        else:
+            del self._slots[host]
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -299,6 +334,7 @@ class Upstream:
             return error
 
         host = host_of(url)
+        label = self.pool.label(host)  # in metrics
         attempt = 0
         while True:
             try:
@@ -329,7 +365,7 @@ class Upstream:
             except TimeoutError as exc:
                 if head_deadline >= deadline:
                     raise down(self.past_deadline(host, "waiting for a response head")) from exc
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
+                metrics.UPSTREAM_ERRORS.labels(host=label, reason="timeout").inc()
                 raise down(
                     UpstreamTimeout(
                         f"upstream {host} sent no complete response head within "
@@ -337,7 +373,7 @@ class Upstream:
                     )
                 ) from exc
             except httpx.TimeoutException as exc:
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
+                metrics.UPSTREAM_ERRORS.labels(host=label, reason="timeout").inc()
                 if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout) and attempt < (
                     self.settings.retries
                 ):
@@ -348,7 +384,7 @@ class Upstream:
                     UpstreamTimeout(f"upstream {host} timed out ({type(exc).__name__})")
                 ) from exc
             except httpx.TransportError as exc:
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason="connect").inc()
+                metrics.UPSTREAM_ERRORS.labels(host=label, reason="connect").inc()
                 if isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError) and attempt < (
                     self.settings.retries
                 ):
@@ -358,12 +394,12 @@ class Upstream:
                 raise down(UpstreamUnavailable(f"upstream {host} unreachable: {exc!r}")) from exc
             except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
                 # httpx.InvalidURL is no HTTPError; idna's errors are ValueErrors.
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason="protocol").inc()
+                metrics.UPSTREAM_ERRORS.labels(host=label, reason="protocol").inc()
                 raise down(UpstreamUnavailable(f"upstream {host}: {exc}")) from exc
             if response.status_code not in RETRY_STATUSES:
                 circuit.succeeded(probe)
                 return response
-            metrics.UPSTREAM_ERRORS.labels(host=host, reason=str(response.status_code)).inc()
+            metrics.UPSTREAM_ERRORS.labels(host=label, reason=str(response.status_code)).inc()
             retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
             await response.aclose()
             if attempt < self.settings.retries:
@@ -390,7 +426,7 @@ class Upstream:
 
     def past_deadline(self, host: str, doing: str) -> UpstreamTimeout:
         """The error (counted) for a transfer past ``upstream.transfer_timeout``."""
-        metrics.UPSTREAM_ERRORS.labels(host=host, reason="deadline").inc()
+        metrics.UPSTREAM_ERRORS.labels(host=self.pool.label(host), reason="deadline").inc()
         return UpstreamTimeout(
             f"upstream {host} did not finish within upstream.transfer_timeout "
             f"({format_duration(self.settings.transfer_timeout_s)}): still {doing}"
@@ -444,6 +480,7 @@ class UpstreamAnswer:
     async def _chunks(self) -> AsyncIterator[bytes]:
         settings = self._upstream.settings
         host = self.host
+        label = self._upstream.pool.label(host)  # in metrics
         expected = self.length
         received = 0
         window_s = settings.min_rate_window_s
@@ -464,24 +501,24 @@ class UpstreamAnswer:
                 doing = f"sending the body ({received} bytes so far)"
                 raise self._upstream.past_deadline(host, doing) from exc
             except httpx.TimeoutException as exc:
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason="timeout").inc()
+                metrics.UPSTREAM_ERRORS.labels(host=label, reason="timeout").inc()
                 raise UpstreamTimeout(
                     f"upstream {host} stopped sending ({type(exc).__name__})"
                 ) from exc
             except httpx.HTTPError as exc:
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason="truncated").inc()
+                metrics.UPSTREAM_ERRORS.labels(host=label, reason="truncated").inc()
                 raise UpstreamUnavailable(f"upstream {host} broke off the body: {exc!r}") from exc
             received += len(chunk)
             window_bytes += len(chunk)
             if expected is not None and received > expected:
-                metrics.UPSTREAM_ERRORS.labels(host=host, reason="truncated").inc()
+                metrics.UPSTREAM_ERRORS.labels(host=label, reason="truncated").inc()
                 raise UpstreamUnavailable(
                     f"upstream {host} sent more than the {expected} bytes it announced"
                 )
             now = time.monotonic()
             if now - window_start >= window_s:
                 if window_bytes < settings.min_rate * (now - window_start):
-                    metrics.UPSTREAM_ERRORS.labels(host=host, reason="too_slow").inc()
+                    metrics.UPSTREAM_ERRORS.labels(host=label, reason="too_slow").inc()
                     raise UpstreamTimeout(
                         f"upstream {host} sent {window_bytes} bytes in "
                         f"{now - window_start:.0f} s, under upstream.min_rate "
@@ -490,7 +527,7 @@ class UpstreamAnswer:
                 window_start, window_bytes = now, 0
             yield chunk
         if expected is not None and received != expected:
-            metrics.UPSTREAM_ERRORS.labels(host=host, reason="truncated").inc()
+            metrics.UPSTREAM_ERRORS.labels(host=label, reason="truncated").inc()
             raise UpstreamUnavailable(
                 f"upstream {host} sent {received} of {expected} bytes for {self._url}"
             )
