@@ -120,3 +120,63 @@ def test_npm_tarball_urls_name_the_balancer_with_its_port(
     assert packument.status_code == 200, packument.text
     tarball = packument.json()["versions"]["1.0.0"]["dist"]["tarball"]
     assert tarball.startswith(f"{url}/npm/left-pad/-/"), tarball
+
+
+def test_a_strangers_wrong_build_cache_passwords_through_the_balancer_lock_only_the_stranger(
+    tmp_path: Path, start_proxy: ProxyFactory
+) -> None:
+    """nginx asks the replica about a PUT first (/_upload_check, a subrequest whose
+    headers are its own): without the client's address in it, every upload check came
+    from nginx, so a stranger's five wrong passwords for 'ci' locked the real CI's
+    uploads out (nginx turns the check's 429 into a 500)."""
+    if not Path(NGINX).exists():
+        pytest.fail("these tests need Debian's nginx (.ci/run installs it)", pytrace=False)
+    config = tmp_path / "proxy.toml"
+    config.write_text(
+        f"""
+[storage]
+path = "{tmp_path / "data"}"
+[[repositories]]
+name = "gradle-cache"
+format = "gradle-build-cache"
+anonymous = "read"
+[repositories.users.ci]
+password = "the-ci-password"
+role = "write"
+"""
+    )
+    proxy = start_proxy(load(config, {}))
+    folder = tmp_path / "nginx"
+    folder.mkdir()
+    port = free_port()
+    nginx_config = balancer_config(folder, port, int(proxy.url.rsplit(":", 1)[1]))
+    nginx = subprocess.Popen(
+        [NGINX, "-p", str(folder), "-c", str(nginx_config), "-g", "daemon off;"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/gradle-cache/key-1"
+
+    def put(source: str, password: str) -> int:
+        transport = httpx.HTTPTransport(local_address=source)
+        with httpx.Client(transport=transport) as client:
+            return client.put(url, content=b"entry", auth=("ci", password)).status_code
+
+    try:
+
+        def up() -> bool:
+            assert nginx.poll() is None, (folder / "error.log").read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/lb-healthz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("nginx to listen", up)
+        for i in range(5):
+            assert put("127.0.0.2", f"guess-{i}") == 401
+        assert put("127.0.0.2", "guess-5") != 201
+        assert put("127.0.0.3", "the-ci-password") == 201, "the CI is not locked out"
+        assert httpx.get(url).content == b"entry"
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=30)
