@@ -166,3 +166,35 @@ def test_install_guide_fits_the_address(tmp_path: Path) -> None:
     every = "\n".join(s.text for g in secure.values() for s in g.snippets)
     assert "allowInsecureProtocol" not in every and "trusted-host" not in every
     assert "https://proxy.internal/pypi/simple/" in every
+
+
+def test_behind_a_path_prefix_every_link_form_and_redirect_keeps_it(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """server.public_url with a path (config.example.toml: "behind a load balancer or a
+    path prefix"): the balancer strips /artifacts, the browser sees it. Links, forms and
+    redirects named /ui/... from the root: every click left the console."""
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
+    extra = '[server]\npublic_url = "https://lb.example/artifacts"\n'
+    config = admin_config(tmp_path, upstream.base_url, extra=extra)
+    proxy = start_proxy(load(config, {}))
+    with httpx.Client(base_url=proxy.url, auth=AUTH, timeout=30) as client:
+        assert client.get("/pypi/files/alpha/alpha-1.0.tar.gz").status_code == 200
+        for path in ("/ui/", "/ui/jobs", "/ui/browse?repository=pypi", "/ui/packages/pypi/alpha",
+                     "/ui/entries/pypi/files/alpha/alpha-1.0.tar.gz", "/ui/nothing"):  # fmt: skip
+            page = client.get(path).text
+            targets = re.findall(r'(?:href|action)="(/[^"]*)"', page)
+            assert targets, path
+            assert all(t.startswith("/artifacts/ui/") for t in targets), (path, targets)
+        assert client.get("/ui", follow_redirects=False).headers["location"] == "/artifacts/ui/"
+        token = csrf(client.get("/ui/jobs").text)
+        started = client.post(
+            "/ui/mirror-runs", data={"csrf_token": token, "purls": "pkg:pypi/alpha"},
+            follow_redirects=False,
+        )  # fmt: skip
+        assert started.status_code == 303
+        assert started.headers["location"].startswith("/artifacts/ui/mirror-runs/")
+        api = client.post("/api/v1/mirror-runs", json={"purls": ["pkg:pypi/alpha"]})
+        assert api.status_code == 202
+        assert api.headers["location"].startswith("/artifacts/api/v1/mirror-runs/")
+        assert api.json()["url"] == api.headers["location"]

@@ -4,7 +4,6 @@ routes (docs/architecture.md, "Operating: console, API and logs")."""
 
 from __future__ import annotations
 
-from starlette.responses import RedirectResponse
 from starlette.routing import BaseRoute, Mount, Route
 
 from proxy.admin import api, console
@@ -12,7 +11,7 @@ from proxy.admin import api, console
 
 def routes() -> list[BaseRoute]:
     return [
-        Route("/ui", lambda request: RedirectResponse("/ui/", 308), methods=["GET", "HEAD"]),
+        Route("/ui", console.to_index, methods=["GET", "HEAD"]),
         Mount("/ui", routes=console.routes()),
         Mount("/api", routes=api.routes()),
     ]

@@ -28,6 +28,7 @@ from proxy.admin.requests import (
     mirror_request,
     number_in,
     read_body,
+    root_of,
 )
 from proxy.exceptions import BadRequest, Conflict, NotFound, ProxyError, UnsupportedMediaType
 from proxy.redaction import redact
@@ -182,7 +183,7 @@ async def start_mirror_run(request: Request, caller: Caller) -> Any:
     )
     run_id = await state.engine.mirrors.launch("api", asked.purls, asked.versions, asked.repository)
     log.info("mirror run %d started: %d purls (by %s)", run_id, len(asked.purls), caller.name)
-    location = f"/api/v1/mirror-runs/{run_id}"
+    location = f"{root_of(request)}/api/v1/mirror-runs/{run_id}"
     return answer({"id": run_id, "state": "running", "url": location}, 202, {"location": location})
 
 

@@ -32,6 +32,7 @@ from proxy.admin.requests import (
     mirror_request,
     number_in,
     read_body,
+    root_of,
 )
 from proxy.exceptions import Conflict, NotFound, ProxyError
 from proxy.redaction import redact
@@ -96,6 +97,7 @@ def render(
 ) -> Response:
     page = ENVIRONMENT.get_template(template).render(
         caller=caller,
+        root=root_of(request),
         csrf_field=CSRF_FIELD,
         request_path=request.url.path,
         notice=_notice(request, caller),
@@ -113,6 +115,10 @@ def render(
             "referrer-policy": "same-origin",
         },
     )
+
+
+def to_index(request: Request) -> Response:
+    return RedirectResponse(f"{root_of(request)}/ui/", 308)
 
 
 def _notice(request: Request, caller: Caller) -> str | None:
@@ -161,12 +167,14 @@ async def form_of(request: Request, caller: Caller) -> dict[str, str]:
     return fields
 
 
-def back(path: str, caller: Caller, notice: str | None = None, **query: str) -> Response:
+def back(
+    request: Request, path: str, caller: Caller, notice: str | None = None, **query: str
+) -> Response:
     if notice:
         query["notice"] = notice
         query["notice_sig"] = notice_signature(caller, notice)
     suffix = f"?{urlencode(query)}" if query else ""
-    return RedirectResponse(f"/ui{path}{suffix}", status_code=303)
+    return RedirectResponse(f"{root_of(request)}/ui{path}{suffix}", status_code=303)
 
 
 # -- pages ----------------------------------------------------------------------------------
@@ -231,7 +239,7 @@ async def start_mirror_run(request: Request, caller: Caller) -> Response:
         "console", asked.purls, asked.versions, asked.repository
     )
     log.info("mirror run %d started from the console (by %s)", run_id, caller.name)
-    return back(f"/mirror-runs/{run_id}", caller, f"mirror run {run_id} started")
+    return back(request, f"/mirror-runs/{run_id}", caller, f"mirror run {run_id} started")
 
 
 async def cancel_mirror_run(request: Request, caller: Caller) -> Response:
@@ -241,7 +249,7 @@ async def cancel_mirror_run(request: Request, caller: Caller) -> Response:
     if not await state.engine.catalog.cancel_mirror_run(run_id):
         raise Conflict(f"mirror run {run_id} is not running")
     log.info("mirror run %d: cancellation asked from the console (by %s)", run_id, caller.name)
-    return back(f"/mirror-runs/{run_id}", caller, f"cancellation of run {run_id} asked")
+    return back(request, f"/mirror-runs/{run_id}", caller, f"cancellation of run {run_id} asked")
 
 
 async def browse(request: Request, caller: Caller) -> Response:
@@ -295,6 +303,7 @@ async def purge_package(request: Request, caller: Caller) -> Response:
         repository, name, result["deleted"], caller.name,
     )  # fmt: skip
     return back(
+        request,
         "/browse",
         caller,
         f"purged {name}: {result['deleted']} entries ({human_size(result['bytes'])})",
@@ -309,7 +318,7 @@ async def purge_entry(request: Request, caller: Caller) -> Response:
     key = fields.get("key", "")
     await overview.purge_entry(repository, key)
     log.info("purged entry %s/%s from the console (by %s)", repository, key, caller.name)
-    return back("/browse", caller, f"purged {key}", repository=repository, view="entries")
+    return back(request, "/browse", caller, f"purged {key}", repository=repository, view="entries")
 
 
 async def install(request: Request, caller: Caller) -> Response:

@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
@@ -47,6 +48,13 @@ def admin_state(request: Request) -> AdminState:
 
 def caller_of(request: Request) -> Caller:
     return admin_state(request).auth.caller(request)
+
+
+def root_of(request: Request) -> str:
+    """The path the browser sees before ``/ui/`` and ``/api/``: ``server.public_url``'s
+    (a balancer that strips ``/artifacts`` before passing requests on), else none."""
+    public_url = admin_state(request).engine.settings.public_url
+    return urlsplit(public_url).path.rstrip("/") if public_url else ""
 
 
 async def read_body(request: Request, limit: int = BODY_MAX_BYTES) -> bytes:
