@@ -128,7 +128,7 @@ def test_a_strangers_wrong_build_cache_passwords_through_the_balancer_lock_only_
     """nginx asks the replica about a PUT first (/_upload_check, a subrequest whose
     headers are its own): without the client's address in it, every upload check came
     from nginx, so a stranger's five wrong passwords for 'ci' locked the real CI's
-    uploads out (nginx turns the check's 429 into a 500)."""
+    uploads out. And nginx turned a check's 429 or 413 into a 500."""
     if not Path(NGINX).exists():
         pytest.fail("these tests need Debian's nginx (.ci/run installs it)", pytrace=False)
     config = tmp_path / "proxy.toml"
@@ -140,6 +140,7 @@ path = "{tmp_path / "data"}"
 name = "gradle-cache"
 format = "gradle-build-cache"
 anonymous = "read"
+max_entry_size = "10B"
 [repositories.users.ci]
 password = "the-ci-password"
 role = "write"
@@ -157,10 +158,10 @@ role = "write"
     )
     url = f"http://127.0.0.1:{port}/gradle-cache/key-1"
 
-    def put(source: str, password: str) -> int:
+    def put(source: str, password: str) -> httpx.Response:
         transport = httpx.HTTPTransport(local_address=source)
         with httpx.Client(transport=transport) as client:
-            return client.put(url, content=b"entry", auth=("ci", password)).status_code
+            return client.put(url, content=b"entry", auth=("ci", password))
 
     try:
 
@@ -173,10 +174,17 @@ role = "write"
 
         wait_until("nginx to listen", up)
         for i in range(5):
-            assert put("127.0.0.2", f"guess-{i}") == 401
-        assert put("127.0.0.2", "guess-5") != 201
-        assert put("127.0.0.3", "the-ci-password") == 201, "the CI is not locked out"
+            assert put("127.0.0.2", f"guess-{i}").status_code == 401
+        # Refused as the replica refused it, not as nginx's 500 for a check it did not
+        # expect to fail that way.
+        locked = put("127.0.0.2", "guess-5")
+        assert locked.status_code == 429, locked.text
+        assert int(locked.headers["retry-after"]) >= 1
+        assert put("127.0.0.3", "the-ci-password").status_code == 201, "the CI is not locked out"
         assert httpx.get(url).content == b"entry"
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3")) as ci:
+            large = ci.put(url, content=b"x" * 20, auth=("ci", "the-ci-password"))
+        assert large.status_code == 413, large.text  # under nginx's own limit, over ours
     finally:
         nginx.terminate()
         nginx.wait(timeout=30)
