@@ -398,6 +398,9 @@ def test_bad_input_gets_a_clear_error(proxied: str) -> None:
             (api_client.get("/api/v1/entries/pypi/files/a%0Ab"), 404, "no entry"),
             (api_client.get("/api/v1/packages/pypi/a%0D%0Ab"), 404, "nothing of package"),
             (api_client.get("/api/v1/%0A"), 404, "openapi.json"),
+            # No name is no package: a purge of "" answered 200 "deleted 0".
+            (api_client.delete("/api/v1/packages/pypi/"), 400, "give a package name"),
+            (api_client.get("/api/v1/packages/pypi/"), 400, "give a package name"),
         ]
         for response, status, message in cases:
             assert response.status_code == status, (response.request.url, response.text)

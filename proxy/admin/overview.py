@@ -292,7 +292,7 @@ class Overview:
         }
 
     async def package(self, repository: str, package: str) -> dict[str, Any]:
-        package = self.package_name(repository, checked_text(package, "package"))
+        package = self.named_package(repository, package)
         rows = await self.engine.catalog.package_entries(repository, package, PACKAGE_ENTRIES_MAX)
         if not rows:
             raise NotFound(f"nothing of package {package!r} is cached in {repository}")
@@ -344,7 +344,7 @@ class Overview:
                 f"repository {repository!r} ({self._format(repository)}) does not group its "
                 "entries by package; purge entries one by one"
             )
-        package = self.package_name(repository, checked_text(package, "package"))
+        package = self.named_package(repository, package)
         removed = await self.engine.catalog.delete_package(repository, package)
         for gone in removed:
             self.engine.cache.index.drop(repository, gone.key)
@@ -370,6 +370,13 @@ class Overview:
         types "Django" or "flask_cors" for PyPI's django and flask-cors."""
         spelling = self.engine.package_names.get(repository)
         return spelling(text) if spelling is not None else text
+
+    def named_package(self, repository: str, text: str) -> str:
+        """``package_name`` of a whole name, or ``BadRequest`` for none at all."""
+        name = self.package_name(repository, checked_text(text, "package"))
+        if not name:
+            raise BadRequest(f"give a package name: /{repository}/NAME")
+        return name
 
     def _format(self, repository: str) -> str:
         repo = self.engine.settings.repository(repository)
