@@ -248,6 +248,39 @@ def test_downloads_in_flight_report_their_progress(proxied: str, upstream: FakeU
     assert fetched == [len(big)]
 
 
+def test_purging_an_entry_being_downloaded_says_so(proxied: str, upstream: FakeUpstream) -> None:
+    """A purge of a file whose download is in flight answered 404 "no entry" (nothing is
+    stored yet), and the download stored it a moment later: the operator read that it
+    was gone. It says what is happening, and the purge after the download works."""
+    upstream.add_project("slow", [ProjectFile("slow-1.0.tar.gz", b"s" * (512 * 1024))])
+    assert httpx.get(f"{proxied}/pypi/simple/slow/").status_code == 200
+    upstream.fault("/packages/slow-1.0.tar.gz", chunk_size=32 * 1024, chunk_delay_s=0.2)
+    fetched: list[int] = []
+    thread = threading.Thread(
+        target=lambda: fetched.append(
+            len(httpx.get(f"{proxied}/pypi/files/slow/slow-1.0.tar.gz", timeout=60).content)
+        )
+    )
+    thread.start()
+    key = "files/slow/slow-1.0.tar.gz"
+    try:
+        with client(proxied) as api_client:
+            wait_until(
+                "the download in flight",
+                lambda: any(d["key"] == f"pypi/{key}"
+                            for d in api_client.get("/api/v1/in-flight").json()["in_flight"]),
+            )  # fmt: skip
+            busy = api_client.delete(f"/api/v1/entries/pypi/{key}")
+            assert busy.status_code == 409, busy.text
+            assert "being downloaded" in busy.json()["error"]
+    finally:
+        thread.join(60)
+    assert fetched == [512 * 1024]
+    with client(proxied) as api_client:
+        assert api_client.delete(f"/api/v1/entries/pypi/{key}").json()["deleted"] == 1
+        assert api_client.delete(f"/api/v1/entries/pypi/{key}").status_code == 404
+
+
 def test_openapi_describes_every_route() -> None:
     document = openapi_document()
     described = {

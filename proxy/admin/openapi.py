@@ -172,7 +172,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
         "401": "credentials needed or wrong",
         "403": "no admin user configured (admin.users), or a cross-site request",
         "404": "no such repository, entry, package or run",
-        "409": "the run is not running",
+        "409": "the run is not running, or the entry is being downloaded",
         "413": "the body is over 16 MiB",
         "415": "a write with Basic credentials must be JSON",
         "429": "too many wrong passwords: see Retry-After",
@@ -252,9 +252,10 @@ def openapi_document() -> dict[str, Any]:
                 "get": {"summary": "one entry: digests, upstream URL, times, policy",
                         "parameters": [repository, _path("path", "the entry's key")],
                         "responses": {**_ok("EntryDetail"), **_errors("400", "404")}},
-                "delete": {"summary": "purge one entry (the next request goes upstream)",
+                "delete": {"summary": "purge one entry (the next request goes upstream); "
+                                      "409 while its download is in flight",
                            "parameters": [repository, _path("path", "the entry's key")],
-                           "responses": {**_ok("Purged"), **_errors("400", "404")}},
+                           "responses": {**_ok("Purged"), **_errors("400", "404", "409")}},
             },
             "/api/v1/packages": {
                 "get": {"summary": "a keyset page of a repository's packages",

@@ -21,7 +21,8 @@ from typing import Any
 
 from proxy.catalog import EntrySummary, MirrorRun, Replica, StorageUsage
 from proxy.engine import Engine
-from proxy.exceptions import BadRequest, CatalogError, NotFound, describe_os_error
+from proxy.exceptions import BadRequest, CatalogError, Conflict, NotFound, describe_os_error
+from proxy.fetch.leases import lease_key
 from proxy.fleet import REPLICA_GONE_AFTER_S
 from proxy.mirror.runs import state_of
 from proxy.redaction import redact
@@ -361,6 +362,14 @@ class Overview:
         deleted = await self.engine.catalog.purge_entry(repository, key)
         self.engine.cache.index.drop(repository, key)
         if not deleted:
+            # Nothing stored yet may be a download in flight, which stores it when it
+            # ends: "no entry" would read as "gone" a moment before it is there.
+            lease = await self.engine.catalog.get_lease(lease_key(repository, key))
+            if lease is not None and lease.state == "fetching" and not lease.expired:
+                raise Conflict(
+                    f"{key!r} in {repository} is being downloaded (by {lease.holder}) and "
+                    "is stored when that ends: purge it then"
+                )
             raise NotFound(f"no entry {key!r} in {repository}")
         self._usage = self._totals = None
         return {"repository": repository, "key": key, "deleted": 1}
