@@ -239,3 +239,34 @@ def test_kill_9_during_the_upload_leaves_no_object_and_no_entry(
         assert entries(tmp_path) == ["tool-1.0.bin"]
     finally:
         again.stop()
+
+
+def test_the_console_and_the_api_say_when_the_bucket_is_down(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    seaweedfs: SeaweedFS,
+    s3_bucket: str,
+    start_proxy: ProxyFactory,
+) -> None:
+    """On object storage the dashboard and /api/v1/stats judged only a folder (and named
+    storage.path, which holds no blob there): with the bucket not answering they said
+    the storage was fine and the fleet healthy while /readyz said otherwise."""
+    admin = '[admin]\n[admin.users.ops]\npassword = "ops-password"\n'
+    a = start(start_proxy, tmp_path, upstream, seaweedfs, s3_bucket, "a", extra=admin)
+    auth = ("ops", "ops-password")
+    stats = httpx.get(a.url + "/api/v1/stats", auth=auth, timeout=60).json()["storage"]
+    assert stats["ok"] and s3_bucket in stats["url"], stats
+    assert stats["path"] == str(tmp_path / "local-a"), "the folder checked is the local tier"
+    seaweedfs.pause()
+    try:
+        deadline = time.monotonic() + 60  # the last look at the bucket is kept 5 s
+        while (
+            stats := httpx.get(a.url + "/api/v1/stats", auth=auth, timeout=60).json()["storage"]
+        )["ok"]:
+            assert time.monotonic() < deadline, "the stats never said the bucket is down"
+            time.sleep(0.5)
+        assert "storage:" in stats["error"], stats
+        page = httpx.get(a.url + "/ui/", auth=auth, timeout=60).text
+        assert "Healthy:" not in page and "object storage" in page, page
+    finally:
+        seaweedfs.resume()

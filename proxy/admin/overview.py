@@ -123,7 +123,9 @@ class Overview:
         except (CatalogError, TimeoutError) as exc:
             database |= {"ok": False, "error": redact(str(exc) or "timed out")}
             totals = None
-        storage: dict[str, Any] = {"path": str(engine.settings.storage_path)}
+        # The folder this process writes (on object storage, its local tier), and the
+        # bucket as /readyz judges it (cached, a LIST of one key at most every 5 s).
+        storage: dict[str, Any] = {"path": str(engine.blobs.root)}
         try:
             await run_blocking(engine.blobs.check_writable)
             free = await run_blocking(engine.blobs.free_bytes)
@@ -131,6 +133,12 @@ class Overview:
             storage["ok"] = free >= engine.settings.storage.min_free
         except OSError as exc:
             storage |= {"writable": False, "ok": False, "error": describe_os_error(exc)}
+        bucket = engine.settings.object_storage
+        if bucket is not None:
+            storage["url"] = bucket.url
+            problems = await engine.storage.problems(engine.settings.storage.min_free)
+            if problems and storage["ok"]:
+                storage |= {"ok": False, "error": redact("; ".join(problems))}
         storage["min_free"] = engine.settings.storage.min_free
         storage["max_size"] = engine.settings.storage.max_size
         if totals is not None:
