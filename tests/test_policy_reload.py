@@ -5,6 +5,8 @@ logs each error with its key. Real processes, a real upstream."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -85,5 +87,36 @@ def test_sighup_reloads_the_policy_in_every_worker_and_keeps_it_on_errors(
         assert upstream.count("/packages/alpha-1.0.tar.gz") == fetched
         # Every worker is still the one that started: none was ended by a signal.
         assert "exited with status" not in proxy.log()
+    finally:
+        proxy.stop()
+
+
+def worker_pids(proxy: ProxyProcess) -> list[int]:
+    """The workers that said they are ready (the supervisor has other children)."""
+    return [int(pid) for pid in re.findall(r" \[(\d+)\] proxy ready", proxy.log())]
+
+
+def test_a_worker_restarted_after_a_reload_serves_the_reloaded_policy(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    """A restarted worker starts from the settings the server started with: it must
+    read the file again, or it would serve what an emergency rule blocks."""
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha-bytes")])
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = ProxyProcess(config, tmp_path, "restart", workers=2).start().wait_ready()
+    try:
+        with httpx.Client(base_url=proxy.url, timeout=30) as client:
+            assert client.get("/pypi/simple/alpha/").status_code == 200
+            assert client.get(FILE).status_code == 200
+        write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url, extra=DENY))
+        proxy.signal(signal.SIGHUP)
+        wait_for_count(proxy, "policy reloaded from", 2)
+        victim = worker_pids(proxy)[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for_count(proxy, f"worker {victim} exited with status", 1)
+        # The new worker reads the file once it can handle the signal.
+        wait_for_count(proxy, "policy reloaded from", 3)
+        for _ in range(8):  # a new connection each: both workers answer some
+            assert httpx.get(proxy.url + FILE, timeout=30).status_code == 403
     finally:
         proxy.stop()

@@ -219,12 +219,23 @@ def supervise(settings: Settings, sock: socket.socket, workers: int, logs: LogOp
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, forward)
 
+    reloads: list[int] = []  # (no lock in a signal handler: a list's append is atomic)
+
     def reload(signum: int, frame: FrameType | None) -> None:
-        # Each worker reads the file itself: one that is started later reads it anyway.
+        reloads.append(signum)  # a worker started from now on is told too (see restart)
         for process in processes:
             if process.pid is not None and process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGHUP)
+
+    def restart(i: int) -> None:
+        process = processes[i] = start()
+        # Its settings are those we started with: after a reload, the policy of the
+        # file now is read again (the signal waits, blocked, until it can be handled;
+        # a reload in between may tell it twice, which is harmless).
+        if reloads and process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGHUP)
 
     status = 0
     try:
@@ -246,7 +257,7 @@ def supervise(settings: Settings, sock: socket.socket, workers: int, logs: LogOp
                     )
                     time.sleep(WORKER_RESTART_DELAY_S)
                     if not stopping.is_set():
-                        processes[i] = start()
+                        restart(i)
                 stopping.wait(PARENT_CHECK_INTERVAL_S)
             deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
             for process in processes:
