@@ -45,6 +45,7 @@ class S3Faults:
     slow_down: Counter[str] = field(default_factory=Counter)  # operation -> times left
     held: set[str] = field(default_factory=set)  # operations held until released
     seen: Counter[str] = field(default_factory=Counter)
+    lists: list[str] = field(default_factory=list)  # the query of every listing
     released: threading.Event = field(default_factory=threading.Event)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -60,6 +61,8 @@ class S3Faults:
         method, query = scope["method"], scope["query_string"].decode()
         op = operation(method, query)
         self.seen[op] += 1
+        if op == "list":
+            self.lists.append(query)
         body = b""
         while True:
             message = await receive()

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import httpx
 import pytest
@@ -270,3 +271,24 @@ def test_the_console_and_the_api_say_when_the_bucket_is_down(
         assert "Healthy:" not in page and "object storage" in page, page
     finally:
         seaweedfs.resume()
+
+
+def test_every_listing_stays_under_the_blobs_prefix(
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    seaweedfs: SeaweedFS,
+    s3_bucket: str,
+    start_proxy: ProxyFactory,
+    faults: S3Faults,
+) -> None:
+    """The start-up and readiness check listed the whole bucket (no prefix), although
+    nothing else the proxy does lists outside {prefix}blobs/: a bucket policy granting
+    s3:ListBucket only for the proxy's prefix stopped every start as 'wrong
+    credentials'."""
+    endpoint = faults.endpoint  # type: ignore[attr-defined]
+    a = start(start_proxy, tmp_path, upstream, seaweedfs, s3_bucket, "a", endpoint=endpoint)
+    assert httpx.get(a.url + "/readyz", timeout=60).status_code == 200
+    assert faults.lists, "the start checks the bucket"
+    for query in faults.lists:
+        prefix = parse_qs(query).get("prefix", [""])[0]
+        assert prefix == "proxy/blobs/", query

@@ -205,7 +205,12 @@ class Bucket:
         a ``StorageError`` naming the setting otherwise (start-up, readiness)."""
         try:
             await self._call(
-                "list", lambda: self.client.list_objects_v2(Bucket=self.name, MaxKeys=1)
+                "list",
+                # Under the blobs' prefix, as every listing: a policy may grant
+                # s3:ListBucket for the proxy's prefix only.
+                lambda: self.client.list_objects_v2(
+                    Bucket=self.name, Prefix=self.blobs_prefix, MaxKeys=1
+                ),
             )
         except StorageUnavailable as exc:
             where = self.settings.endpoint or "AWS"
