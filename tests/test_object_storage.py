@@ -371,6 +371,10 @@ def test_a_local_cache_holding_junk_links_and_a_fifo_at_start_serves_only_the_bl
         unblock_fifo(fifo)
     for body in names.values():
         copy = tier_path(tmp_path, "b", body)
-        assert copy.is_file() and not copy.is_symlink() and copy.read_bytes() == body
+        # The copy joins the tier just after its last byte is released to the client.
+        deadline = time.monotonic() + 30
+        while not (copy.is_file() and not copy.is_symlink() and copy.read_bytes() == body):
+            assert time.monotonic() < deadline, f"no good local copy at {copy}"
+            time.sleep(0.02)
     assert len(other.read_bytes()) == MiB, "the link's target was never written"
     assert sum(upstream.count(f"/releases/{name}.bin") for name in names) == len(names)
