@@ -7,7 +7,8 @@ Starts its own PostgreSQL (pg_stat_statements preloaded, autovacuum off so that 
 the fleet writes), a fake upstream, and 3 real `proxy serve` replicas on one fresh
 database per run. ``--before CHECKOUT`` runs the same events first with the proxy of
 another checkout (its own .venv, e.g. a worktree of the commit a change started from)
-and prints both side by side.
+and prints both side by side. ``--pgbouncer`` adds a run of this checkout behind a real
+PgBouncer in transaction mode (tests/pgbouncer.py), the session connections direct.
 
 Events (each repeated ``--trials`` times on fresh keys; the idle rate, measured first, is
 subtracted over each event's window):
@@ -42,9 +43,12 @@ from pathlib import Path
 import asyncpg
 import httpx
 
-from bench.common import workdir
+from bench.common import percentile, workdir
+from bench.fleet import lease, wait_lease
 from proxy.catalog.queries import parse
+from proxy.engine import ACCESS_FLUSH_INTERVAL_S
 from tests.pg import PostgresServer, create_database
+from tests.pgbouncer import FleetDb, behind
 from tests.processes import ProxyProcess, start_replicas
 from tests.upstream import FakeUpstream, ProjectFile, start_upstream
 
@@ -120,8 +124,9 @@ class StatementNames:
 
 def _signature(sql: str) -> str:
     sql = re.sub(r"--[^\n]*", " ", sql)
-    # pg_stat_statements shows every constant (NULL included) as $n.
-    sql = re.sub(r"\$\d+|'[^']*'|\b\d+(\.\d+)?\b|\bNULL\b", "?", sql, flags=re.IGNORECASE)
+    # pg_stat_statements shows every constant as $n: NULL, booleans, extract's field.
+    constants = r"\$\d+|'[^']*'|\b\d+(\.\d+)?\b|\b(NULL|true|false|epoch)\b"
+    sql = re.sub(constants, "?", sql, flags=re.IGNORECASE)
     return " ".join(sql.split()).rstrip(";")
 
 
@@ -175,12 +180,15 @@ class Counter:
 # -- the fleet --------------------------------------------------------------------------
 
 
-def fleet_config(work: Path, db_url: str, upstream: str) -> Path:
-    """Only settings every compared checkout knows; everything else at its default."""
+def fleet_config(work: Path, db: FleetDb, upstream: str) -> Path:
+    """Only settings every compared checkout knows (session_url only behind PgBouncer);
+    everything else at its default."""
+    session = f'session_url = "{db.session_url}"' if db.session_url else ""
     path = work / "fleet.toml"
     path.write_text(f"""
 [database]
-url = "{db_url}"
+url = "{db.url}"
+{session}
 [storage]
 path = "{work / "shared"}"
 [leases]
@@ -202,6 +210,7 @@ metadata_ttl = "1s"
 class Setup:
     label: str
     checkout: Path | None  # None: this checkout
+    route: str = "direct"  # or "pgbouncer"
 
 
 @dataclass
@@ -210,6 +219,7 @@ class Results:
     rows: dict[str, Counts]
     connections: dict[str, float]
     model: dict[str, float]
+    wake_ups_ms: list[float]
 
 
 async def get_all(client: httpx.AsyncClient, urls: list[str]) -> None:
@@ -273,27 +283,49 @@ class Events:
 
         return await self.cost(prepare)
 
-    async def hits(self) -> Counts:
-        async def prepare() -> Callable[[], Awaitable[None]]:
+    async def hits(self) -> tuple[Counts, Counts]:
+        """Per hit, the access-time flush aside; and the flush, per replica per flush
+        period: the window runs until every access of the hits is written."""
+        hits, flushes = [], []
+        for _ in range(self.trials):
             path = self.new_file(FILE_BYTES)
             await get_all(self.client, [u + path for u in self.urls])  # cached everywhere
-
-            async def hit() -> None:
-                for _ in range(HITS_PER_REPLICA // 10):
-                    await get_all(self.client, [u + path for u in self.urls for _ in range(10)])
-
-            return hit
-
-        costs = []
-        for _ in range(self.trials):
-            action = await prepare()
+            await asyncio.sleep(ACCESS_FLUSH_INTERVAL_S + SETTLE_S)  # the fill's flushes
             before = await self.counter.snapshot()
             started = time.monotonic()
-            await action()  # no settle: the hits' own window
+            for _ in range(HITS_PER_REPLICA // 10):
+                await get_all(self.client, [u + path for u in self.urls for _ in range(10)])
+            await asyncio.sleep(ACCESS_FLUSH_INTERVAL_S + SETTLE_S)
             elapsed = time.monotonic() - started
-            counts = Counter.between(before, await self.counter.snapshot())
-            costs.append(counts.minus(self.idle, elapsed).scaled(1 / (HITS_PER_REPLICA * 3)))
-        return mean(costs)
+            counts = Counter.between(before, await self.counter.snapshot()).minus(
+                self.idle, elapsed
+            )
+            flush = counts.by_statement.pop("touch_entries", 0.0)
+            counts.statements -= flush
+            counts.writes -= flush
+            hits.append(counts.scaled(1 / (HITS_PER_REPLICA * REPLICAS)))
+            periods = elapsed / ACCESS_FLUSH_INTERVAL_S
+            flushes.append(Counts(flush / REPLICAS / periods, 0, flush / REPLICAS / periods))
+        return mean(hits), mean(flushes)
+
+    async def wake_up(self, db_url: str) -> list[float]:
+        """ms from the holder's release of the lease (the database's clock) to the last
+        byte at a client of a waiting replica, which only the outcome releases."""
+        delays = []
+        for _ in range(self.trials):
+            path = self.new_file(SLOW_FILE_BYTES, SHORT_S)
+            key = "tools/" + path.rsplit("/", 1)[1]
+            holding = asyncio.ensure_future(get_all(self.client, [self.urls[0] + path]))
+            await wait_lease(db_url, key, lambda row: row["state"] == "fetching")
+            async with self.client.stream("GET", self.urls[1] + path) as response:
+                async for _ in response.aiter_raw():
+                    pass
+            last = time.time()
+            await holding
+            row = await lease(db_url, key)
+            assert row is not None and row["state"] == "done"
+            delays.append((last - float(row["expires"])) * 1000)
+        return delays
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -318,8 +350,9 @@ async def run_setup(
     server = start_upstream(upstream)
     replicas: list[ProxyProcess] = []
     admin = await asyncpg.connect(admin_url)
+    db, bouncer = await asyncio.to_thread(behind, setup.route, db_url)
     try:
-        config = fleet_config(work, db_url, upstream.base_url)
+        config = fleet_config(work, db, upstream.base_url)
         start_replicas(replicas, config, work, REPLICAS, checkout=setup.checkout)
         counter = Counter(admin, database, names)
         # Start-up (migrations, the first job passes) is not idle.
@@ -345,7 +378,10 @@ async def run_setup(
             rows["a slow miss, per second: the holder"] = per_s[1]
             rows["a slow miss, per waiting replica per second"] = waiter_s
             rows["an expired page answered 304, 3 replicas at once"] = await events.page_304()
-            rows["a cached hit"] = await events.hits()
+            hit, flush = await events.hits()
+            rows["a cached hit (the access-time flush aside)"] = hit
+            rows["access-time flush while hits arrive, per replica per 5 s"] = flush
+            wake_ups = await events.wake_up(db_url)
             peak = await burst(events, admin, database)
         finally:
             await events.aclose()
@@ -370,10 +406,13 @@ async def run_setup(
                 f"{args.linger:.0f} s after the burst, per replica": lingering,
             },
             model=model,
+            wake_ups_ms=wake_ups,
         )
     finally:
         for replica in replicas:
             replica.stop()
+        if bouncer is not None:
+            bouncer.stop()
         await admin.close()
         upstream.released.set()
         server.stop()
@@ -423,7 +462,7 @@ TARGETS = {
     "idle, per replica per second": 0.3,
     f"a {LONG_S:.0f} s miss, 3 replicas at once": 20,
     "a file miss, 3 replicas at once": 20,
-    "a cached hit": 0,
+    "a cached hit (the access-time flush aside)": 0,
 }
 
 
@@ -445,6 +484,14 @@ def print_table(labels: list[str], results: list[Results]) -> None:
     for name in results[0].connections:
         cells = [f"{r.connections[name]:.1f}" for r in results]
         print(f"| connections {name} | " + " | ".join(cells) + " | |")
+    cells = [
+        f"p50 {percentile(r.wake_ups_ms, 50):.0f} / max {max(r.wake_ups_ms):.0f}" for r in results
+    ]
+    print(
+        "| a waiting replica's last byte after the holder's release, ms | "
+        + " | ".join(cells)
+        + " | <= 50 |"
+    )
 
 
 def print_model(label: str, result: Results, replicas: int, duration_s: float) -> None:
@@ -475,6 +522,8 @@ async def run(args: argparse.Namespace) -> None:
     if args.before:
         setups.append(Setup("before", args.before))
     setups.append(Setup("after", None))
+    if args.pgbouncer:
+        setups.append(Setup("after, behind PgBouncer", None, route="pgbouncer"))
     names = StatementNames([ROOT] + [s.checkout for s in setups if s.checkout is not None])
     server = PostgresServer({"shared_preload_libraries": "pg_stat_statements", "autovacuum": "off"})
     await asyncio.to_thread(lambda: server.init().start())
@@ -508,6 +557,7 @@ async def run(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--before", help="a checkout (with its .venv) to compare with")
+    parser.add_argument("--pgbouncer", action="store_true", help="also run behind PgBouncer")
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--idle", type=float, default=30.0, help="seconds of idle to count")
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds before counting")
