@@ -24,6 +24,7 @@ import asyncpg
 import httpx
 import pytest
 
+from tests.pg import PostgresServer
 from tests.processes import ProxyProcess, start_replicas
 from tests.upstream import FakeUpstream, ProjectFile
 
@@ -400,6 +401,47 @@ def test_a_run_whose_replica_was_killed_is_taken_up_at_once_and_held_once(
     assert taken_s < 10, f"the abandoned run was taken up only after {taken_s:.1f}s"
     wait_for("the run to end", ended, timeout_s=60)
     assert max(holders) == 1, holders
+
+
+@pytest.mark.postgres
+def test_a_postgres_restart_mid_pass_leaves_no_run_running(
+    tmp_path: Path,
+    own_postgres: PostgresServer,
+    upstream: FakeUpstream,
+    processes: list[ProxyProcess],
+) -> None:
+    """The database restarts while a replica runs the mirror: every replica's session
+    connection (and the running pass's lock) goes; the pass stops, cannot give its
+    claim back while the database is down, and the run left 'running' is abandoned.
+    It is taken up again by itself once the database is back (the mirror's interval is
+    an hour: only the abandoned run can bring it back this soon), and ends. Every
+    replica logs the loss and the return and counts a reconnect."""
+    paths = add_packages(upstream, size=4 * MiB)
+    for p in paths:
+        upstream.fault(p, chunk_size=MiB, chunk_delay_s=0.5)  # each file takes ~2s
+    db_url = own_postgres.admin_url
+    fleet = start_replicas(processes, config(tmp_path, db_url, upstream, extra=MIRROR), tmp_path, 3)
+    db = Db(db_url)
+    wait_for("a file download", lambda: sum(upstream.count(p) for p in paths) >= 1)
+    run_id, _holder, outcome = db.job_run("mirror:nightly")
+    assert outcome == "running"
+    own_postgres.stop("fast")
+    time.sleep(1.0)
+    own_postgres.start()
+    wait_for(
+        "the run to be taken up again",
+        lambda: db.job_run("mirror:nightly")[0] > run_id,
+        timeout_s=60,
+    )
+    wait_for("the run to end", lambda: db.job_run("mirror:nightly")[2] == "ok", timeout_s=60)
+    for replica in fleet:
+        log = replica.log()
+        assert "database session connection lost" in log
+        assert "database session connection back after" in log
+        assert replica.metric("proxy_database_reconnects_total", connection="session") >= 1
+    assert log_count(fleet, "the database session holding its lock was lost") == 1
+    [(count,)] = db.query(JOB_LOCK_HOLDERS, "mirror:nightly")
+    assert count == 0  # nobody holds it once the run has ended
 
 
 def test_proxy_mirror_with_an_sbom_and_proxy_jobs(tmp_path: Path, upstream: FakeUpstream) -> None:

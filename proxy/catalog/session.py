@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,8 +36,11 @@ KEEPALIVE_INTERVAL_S = 2
 KEEPALIVE_PROBES = 3
 # Data sent but not acknowledged for this long also means the server is gone.
 USER_TIMEOUT_MS = (KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES) * 1000
+# Reconnecting: the wait doubles from RETRY_MIN_S up to RETRY_MAX_S, jittered down to
+# half, so a fleet whose database comes back does not reconnect in one burst, and a
+# replica is back well within a lease TTL of the database.
 RETRY_MIN_S = 0.1
-RETRY_MAX_S = 5.0
+RETRY_MAX_S = 2.0
 
 # InternalClientError: a connection left in a broken state by a server restart
 # ("cannot switch to state 12; another operation is in progress").
@@ -162,12 +166,13 @@ class SessionConnection:
             try:
                 await self.connection()
             except CatalogError as exc:
+                wait_s = delay_s * random.uniform(0.5, 1.0)
                 log.warning(
                     "database session connection unavailable (%s); retrying in %.1fs",
                     exc,
-                    delay_s,
+                    wait_s,
                 )
-                await asyncio.sleep(delay_s)
+                await asyncio.sleep(wait_s)
                 delay_s = min(delay_s * 2, RETRY_MAX_S)
                 continue
             delay_s = RETRY_MIN_S
