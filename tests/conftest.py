@@ -51,6 +51,23 @@ def pypi_config(storage: Path, upstream_url: str, extra: str = "", repo_extra: s
     """
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A fleet test (one that uses ``fleet_variant``: tests/test_fleet.py's fixtures,
+    tests/test_streaming.py) runs with its blobs in a
+    shared folder and in a bucket, and, marked ``pgbouncer``, once more with its pool
+    behind a real PgBouncer in transaction mode (a shared folder): a subset that covers
+    what a pooler can break (claims, notifications, takeovers, job passes, a database
+    outage) without running every fleet test a third time. ``PROXY_TEST_PGBOUNCER=all``
+    runs every one of them behind PgBouncer too (about 3 minutes more)."""
+    if "fleet_variant" not in metafunc.fixturenames:
+        return
+    variants = ["folder", "s3"]
+    marked = metafunc.definition.get_closest_marker("pgbouncer") is not None
+    if marked or os.environ.get("PROXY_TEST_PGBOUNCER") == "all":
+        variants.append("pgbouncer")
+    metafunc.parametrize("fleet_variant", variants)
+
+
 @pytest.fixture
 def upstream() -> Iterator[FakeUpstream]:
     fake = FakeUpstream()

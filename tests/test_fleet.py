@@ -1,6 +1,9 @@
 """Several real `proxy serve` processes on one Postgres database, with their blobs in one
 shared storage folder or in one bucket (each replica with only a local folder of its
-own): every test runs on both (``fleet_storage``).
+own), and with their pool straight on Postgres or behind a real PgBouncer in
+transaction mode (their session connections straight on Postgres): every test runs on
+a folder and on a bucket, and those marked ``pgbouncer`` once more behind PgBouncer
+(``fleet_variant``, parametrized in tests/conftest.py).
 
 Each test below fails on the wrong implementation of one rule of docs/architecture.md ("The request path of a miss", "Fetch leases").
 """
@@ -22,6 +25,7 @@ import pytest
 
 from tests.conftest import s3_storage
 from tests.pg import PostgresServer
+from tests.pgbouncer import FleetDb, PgBouncer, behind
 from tests.processes import ProxyProcess, start_replicas
 from tests.seaweed import SeaweedFS
 from tests.upstream import FakeUpstream, ProjectFile
@@ -51,9 +55,11 @@ def folder_storage(tmp_path: Path) -> FleetStorage:
     return FleetStorage("folder", f'path = "{tmp_path / "shared"}"')
 
 
-@pytest.fixture(params=["folder", "s3"])
-def fleet_storage(request: pytest.FixtureRequest, tmp_path: Path) -> FleetStorage:
-    if request.param == "folder":
+@pytest.fixture
+def fleet_storage(
+    request: pytest.FixtureRequest, tmp_path: Path, fleet_variant: str
+) -> FleetStorage:
+    if fleet_variant != "s3":
         return folder_storage(tmp_path)
     seaweedfs: SeaweedFS = request.getfixturevalue("seaweedfs")
     bucket: str = request.getfixturevalue("s3_bucket")
@@ -62,9 +68,19 @@ def fleet_storage(request: pytest.FixtureRequest, tmp_path: Path) -> FleetStorag
     return FleetStorage("s3", keys, seaweedfs.env, bucket, seaweedfs)
 
 
+@pytest.fixture
+def fleet_db(pg_url: str, fleet_variant: str) -> Iterator[FleetDb]:
+    """The test's database as its fleet reaches it (``FleetDb.route``)."""
+    route = "pgbouncer" if fleet_variant == "pgbouncer" else "direct"
+    db, bouncer = behind(route, pg_url)
+    yield db
+    if bouncer is not None:
+        bouncer.stop()
+
+
 def fleet_config(
     tmp_path: Path,
-    db_url: str,
+    db: FleetDb | str,
     upstream_url: str,
     ttl: str = "3s",
     read_timeout: str = "5s",
@@ -76,10 +92,13 @@ def fleet_config(
     storage: FleetStorage | None = None,
 ) -> Path:
     storage = storage or folder_storage(tmp_path)
+    db = db if isinstance(db, FleetDb) else FleetDb(db, db)
+    session = f'session_url = "{db.session_url}"' if db.session_url else ""
     path = tmp_path / name
     path.write_text(f"""
 [database]
-url = "{db_url}"
+url = "{db.url}"
+{session}
 [storage]
 {storage.keys}
 [upstream]
@@ -119,19 +138,23 @@ class Fleet:
 
 
 class Fleets(list[Fleet]):
-    """The fleets of one test, on one storage."""
+    """The fleets of one test, on one storage and one route to the database."""
 
-    def __init__(self, storage: FleetStorage) -> None:
+    def __init__(self, storage: FleetStorage, db: FleetDb) -> None:
         super().__init__()
         self.storage = storage
+        self.db = db
+        self.stopped_after: list[PgBouncer] = []  # what the replicas use, stopped last
 
 
 @pytest.fixture
-def fleet(tmp_path: Path, fleet_storage: FleetStorage) -> Iterator[Fleets]:
-    fleets = Fleets(fleet_storage)
+def fleet(tmp_path: Path, fleet_storage: FleetStorage, fleet_db: FleetDb) -> Iterator[Fleets]:
+    fleets = Fleets(fleet_storage, fleet_db)
     yield fleets
     for f in fleets:
         f.stop()
+    for thing in fleets.stopped_after:
+        thing.stop()
 
 
 def make_fleet(fleets: Fleets, tmp_path: Path, config: Path) -> Fleet:
@@ -190,11 +213,12 @@ async def fetch_digests(urls: list[str]) -> list[tuple[int, str, int]]:
 FILE_KEY = "pypi/files/big/big-1.0.tar.gz"
 
 
+@pytest.mark.pgbouncer
 def test_replicas_started_together_on_an_empty_database_all_come_up(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     f = make_fleet(
-        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+        fleet, tmp_path, fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage)
     )
     replicas = f.start(4)
     assert all(r.process is not None and r.process.poll() is None for r in replicas)
@@ -216,7 +240,7 @@ def test_one_upstream_get_for_the_whole_fleet(
 ) -> None:
     big = add_big_file(upstream, 50 * MiB, chunk_size=MiB, chunk_delay_s=0.05)
     f = make_fleet(
-        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+        fleet, tmp_path, fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage)
     )
     replicas = f.start(3)
     assert httpx.get(replicas[0].url + "/pypi/simple/big/").status_code == 200
@@ -241,12 +265,13 @@ def test_one_upstream_get_for_the_whole_fleet(
     assert (claims("won"), claims("held_elsewhere")) == (2, 2)
 
 
+@pytest.mark.pgbouncer
 def test_wait_is_detached_from_the_clients_that_started_it(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 8 * MiB, chunk_size=MiB, chunk_delay_s=0.3)
     f = make_fleet(
-        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+        fleet, tmp_path, fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage)
     )
     holder, waiter = f.start(2)
     httpx.get(holder.url + "/pypi/simple/big/")
@@ -281,7 +306,7 @@ def test_sigkill_of_the_holder_is_taken_over_after_expiry(
     f = make_fleet(
         fleet,
         tmp_path,
-        fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage, ttl="2s"),
+        fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage, ttl="2s"),
     )
     replicas = f.start(3)
     httpx.get(replicas[0].url + "/pypi/simple/big/")
@@ -331,6 +356,7 @@ def test_sigkill_of_the_holder_is_taken_over_after_expiry(
         assert seaweedfs.uploads(bucket) == []
 
 
+@pytest.mark.pgbouncer
 def test_sigterm_of_the_holder_hands_over_at_once(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
@@ -339,7 +365,7 @@ def test_sigterm_of_the_holder_hands_over_at_once(
     f = make_fleet(
         fleet,
         tmp_path,
-        fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage, ttl="30s"),
+        fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage, ttl="30s"),
     )
     holder, waiter = f.start(2)
     httpx.get(holder.url + "/pypi/simple/big/")
@@ -378,7 +404,7 @@ def _stale_page_scenario(
     timeout_s = 3.0
     config = fleet_config(
         tmp_path,
-        pg_url,
+        fleet.db,
         upstream.base_url,
         storage=fleet.storage,
         read_timeout=f"{timeout_s}s",
@@ -403,6 +429,7 @@ def _stale_page_scenario(
     return responses, elapsed / timeout_s, upstream.count("/simple/alpha/")
 
 
+@pytest.mark.pgbouncer
 def test_failed_fetch_lets_waiters_serve_stale_at_once(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
@@ -422,18 +449,19 @@ def test_failed_fetch_without_stale_copy_lets_waiters_fetch_concurrently(
     assert timeouts < 2.8, f"clients waited {timeouts:.1f} upstream timeouts: waiters took turns"
 
 
+@pytest.mark.pgbouncer
 def test_notifications_wake_waiters_and_polling_covers_lost_ones(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 4 * MiB, chunk_size=MiB, chunk_delay_s=0.3)
     f = make_fleet(
-        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+        fleet, tmp_path, fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage)
     )
     holder, listening = f.start(2)
     # A third replica that never LISTENs: its waits end by polling alone.
     deaf_config = fleet_config(
         tmp_path,
-        pg_url,
+        fleet.db,
         upstream.base_url,
         storage=fleet.storage,
         extra_leases="notify = false",
@@ -457,12 +485,13 @@ def test_notifications_wake_waiters_and_polling_covers_lost_ones(
     assert deaf.metric("proxy_fetch_lease_wait_duration_seconds_count", outcome="entry") == 1
 
 
+@pytest.mark.pgbouncer
 def test_dropped_listener_connection_is_replaced(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 2 * MiB, chunk_size=MiB, chunk_delay_s=0.5)
     f = make_fleet(
-        fleet, tmp_path, fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage)
+        fleet, tmp_path, fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage)
     )
     holder, waiter = f.start(2)
 
@@ -496,12 +525,17 @@ def test_dropped_listener_connection_is_replaced(
     assert waiter.metric("proxy_fetch_lease_notifications_total") >= 1
 
 
+@pytest.mark.pgbouncer
 def test_renewal_blackout_loses_the_lease_and_never_touches_it_again(
     tmp_path: Path, own_postgres: PostgresServer, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     big = add_big_file(upstream, 8 * MiB, chunk_size=MiB, chunk_delay_s=1.0)
     db_url = own_postgres.admin_url
-    config = fleet_config(tmp_path, db_url, upstream.base_url, storage=fleet.storage, ttl="2s")
+    # The fleet's route (straight, or behind a PgBouncer), to this test's own server.
+    db, bouncer = behind(fleet.db.route, db_url)
+    if bouncer is not None:
+        fleet.stopped_after.append(bouncer)
+    config = fleet_config(tmp_path, db, upstream.base_url, storage=fleet.storage, ttl="2s")
     [replica] = make_fleet(fleet, tmp_path, config).start(1)
     assert httpx.get(replica.url + "/pypi/simple/big/").status_code == 200
     path = f"/pypi/files/big/{big.filename}"
@@ -535,12 +569,65 @@ def test_renewal_blackout_loses_the_lease_and_never_touches_it_again(
     assert upstream.count(f"/packages/{big.filename}") == 1
 
 
+@pytest.mark.pgbouncer
+def test_a_postgres_restart_mid_download_is_ridden_out_by_holder_and_waiter(
+    tmp_path: Path, own_postgres: PostgresServer, upstream: FakeUpstream, fleet: Fleets
+) -> None:
+    """The database restarts while one replica downloads and another waits on its
+    lease: an outage shorter than the TTL costs neither its lease (no takeover, one
+    upstream GET), nor the waiter its wait; both clients get the file, it is stored,
+    and every replica logs the lost and regained session connection and counts it."""
+    big = add_big_file(upstream, 8 * MiB, chunk_size=MiB, chunk_delay_s=0.5)
+    db_url = own_postgres.admin_url
+    db, bouncer = behind(fleet.db.route, db_url)
+    if bouncer is not None:
+        fleet.stopped_after.append(bouncer)
+    # A TTL far longer than a restart, even on a loaded machine.
+    config = fleet_config(tmp_path, db, upstream.base_url, storage=fleet.storage, ttl="30s")
+    holder, waiter = make_fleet(fleet, tmp_path, config).start(2)
+    assert httpx.get(holder.url + "/pypi/simple/big/").status_code == 200
+    path = f"/pypi/files/big/{big.filename}"
+
+    async def scenario() -> tuple[list[tuple[int, str, int]], asyncpg.Record]:
+        holding = asyncio.ensure_future(fetch_digests([holder.url + path]))
+        row = await asyncio.to_thread(wait_for_holder, db_url, FILE_KEY)
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("GET", waiter.url + path) as response:
+                chunks = response.aiter_bytes()
+                digest = hashlib.sha256(first := await anext(chunks))
+                size = len(first)
+                # The waiter follows the holder's stream: now the database goes.
+                await asyncio.to_thread(own_postgres.stop, "fast")
+                await asyncio.to_thread(own_postgres.start)
+                async for chunk in chunks:
+                    digest.update(chunk)
+                    size += len(chunk)
+            waited = (response.status_code, digest.hexdigest(), size)
+        return [*(await holding), waited], row
+
+    results, claimed = asyncio.run(scenario())
+    assert results == [(200, hashlib.sha256(big.body).hexdigest(), len(big.body))] * 2
+    assert upstream.count(f"/packages/{big.filename}") == 1
+    row = asyncio.run(lease_row(db_url, FILE_KEY))
+    assert row is not None
+    assert (row["fence"], row["state"]) == (claimed["fence"], "done")  # no takeover
+    for replica in (holder, waiter):
+        log = replica.log()
+        assert "database session connection lost" in log
+        assert "database session connection back after" in log
+        assert replica.metric("proxy_database_reconnects_total", connection="session") >= 1
+    # Stored: the waiter's replica serves it again from the entry, the upstream untouched.
+    assert httpx.get(waiter.url + path, timeout=30).content == big.body
+    assert upstream.count(f"/packages/{big.filename}") == 1
+
+
+@pytest.mark.pgbouncer
 def test_metadata_with_ttl_zero_takes_no_lease(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
     config = fleet_config(
-        tmp_path, pg_url, upstream.base_url, storage=fleet.storage, metadata_ttl="0"
+        tmp_path, fleet.db, upstream.base_url, storage=fleet.storage, metadata_ttl="0"
     )
     replicas = make_fleet(fleet, tmp_path, config).start(2)
     for replica in replicas:
@@ -558,11 +645,12 @@ def test_metadata_with_ttl_zero_takes_no_lease(
     assert asyncio.run(lease_keys()) == []
 
 
+@pytest.mark.pgbouncer
 def test_reclaim_purges_lease_rows_after_retention(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
     upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha")])
-    config = fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage,
+    config = fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage,
         extra_leases='retention = "1s"', jobs='[jobs]\nreclaim_interval = "1s"',
     )  # fmt: skip
     [replica, other] = make_fleet(fleet, tmp_path, config).start(2)
@@ -581,7 +669,7 @@ def test_reclaim_purges_lease_rows_after_retention(
 def test_build_cache_put_is_durable_and_readable_from_every_replica(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet: Fleets
 ) -> None:
-    config = fleet_config(tmp_path, pg_url, upstream.base_url, storage=fleet.storage,
+    config = fleet_config(tmp_path, fleet.db, upstream.base_url, storage=fleet.storage,
         extra='[[repositories]]\nname = "gradle-cache"\nformat = "gradle-build-cache"\nanonymous = "write"',
     )  # fmt: skip
     a, b = make_fleet(fleet, tmp_path, config).start(2)

@@ -25,11 +25,13 @@ import asyncpg
 import httpx
 import pytest
 
+from tests.pgbouncer import FleetDb
 from tests.processes import ProxyProcess
 from tests.test_fleet import (
     Fleet,
     FleetStorage,
     fleet_config,
+    fleet_db,
     fleet_storage,
     folder_storage,
     wait_for_holder,
@@ -53,18 +55,20 @@ upstream = "{upstream}/releases/"
 StartReplicas = Callable[..., list[ProxyProcess]]
 
 
-__all__ = ["fleet_storage"]  # the fixture: every test here runs on both storages
+# The fixtures: every test here runs as test_fleet.py's do (a folder, a bucket, and
+# behind PgBouncer if marked so).
+__all__ = ["fleet_db", "fleet_storage"]
 
 
 def _starter(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, storage: FleetStorage
+    tmp_path: Path, db: FleetDb | str, upstream: FakeUpstream, storage: FleetStorage
 ) -> tuple[StartReplicas, list[Fleet]]:
     fleets: list[Fleet] = []
 
     def start_replicas(count: int, ttl: str = "2s") -> list[ProxyProcess]:
         config = fleet_config(
             tmp_path,
-            pg_url,
+            db,
             upstream.base_url,
             ttl=ttl,
             read_timeout="10s",
@@ -80,12 +84,13 @@ def _starter(
 
 @pytest.fixture
 def start(
-    tmp_path: Path, pg_url: str, upstream: FakeUpstream, fleet_storage: FleetStorage
+    tmp_path: Path, fleet_db: FleetDb, upstream: FakeUpstream, fleet_storage: FleetStorage
 ) -> Iterator[StartReplicas]:
-    """``start(count, ttl=...)``: that many replicas on one database and one storage
-    (a shared folder, or a bucket), serving the ``tools`` (raw) and ``pypi``
-    repositories from ``upstream``; stopped after the test."""
-    start_replicas, fleets = _starter(tmp_path, pg_url, upstream, fleet_storage)
+    """``start(count, ttl=...)``: that many replicas on one database (reached directly,
+    or behind PgBouncer) and one storage (a shared folder, or a bucket), serving the
+    ``tools`` (raw) and ``pypi`` repositories from ``upstream``; stopped after the
+    test."""
+    start_replicas, fleets = _starter(tmp_path, fleet_db, upstream, fleet_storage)
     yield start_replicas
     for fleet in fleets:
         fleet.stop()
@@ -161,6 +166,7 @@ async def holder_then_waiters(
     return list(await asyncio.gather(*clients))
 
 
+@pytest.mark.pgbouncer
 def test_waiting_replicas_stream_from_the_holders_first_bytes(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, start: StartReplicas
 ) -> None:
@@ -190,6 +196,7 @@ def test_waiting_replicas_stream_from_the_holders_first_bytes(
     assert waits >= 2
 
 
+@pytest.mark.pgbouncer
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_clients_on_other_replicas_continue_when_the_holder_dies(
     tmp_path: Path,
@@ -256,6 +263,7 @@ def test_a_changed_body_cuts_the_clients_instead_of_splicing(
     assert "does not begin with the" in log
 
 
+@pytest.mark.pgbouncer
 def test_a_digest_mismatch_at_the_end_cuts_every_replicas_clients_and_stores_nothing(
     tmp_path: Path,
     pg_url: str,
@@ -356,6 +364,7 @@ def test_a_takeover_download_that_never_streams_still_ends_the_followers_clients
     assert [open_temp_files(w) for w in waiters] == [[], []]
 
 
+@pytest.mark.pgbouncer
 def test_a_claim_won_after_the_holder_stored_it_finishes_the_followers_clients(
     tmp_path: Path, pg_url: str, upstream: FakeUpstream, start: StartReplicas
 ) -> None:

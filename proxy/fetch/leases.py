@@ -278,7 +278,7 @@ class LeaseCoordinator:
         self._waiters.setdefault(lkey, set()).add(waiter)
         following: int | None = None  # the fence whose announced file we gave on
         try:
-            row = await self.catalog.get_lease(lkey)
+            row = await self._read(lkey)
             seen = -1
             # When the lease last read would expire unless renewed (monotonic). Kept
             # across notifications, which carry no expiry: a holder that dies after
@@ -346,14 +346,32 @@ class LeaseCoordinator:
                 async with asyncio.timeout(delay_s):
                     await waiter.event.wait()
             except TimeoutError:
-                return await self.catalog.get_lease(lkey)
+                return await self._read(lkey)
             waiter.event.clear()
             notified, waiter.row = waiter.row, None
             if notified is None:
-                return await self.catalog.get_lease(lkey)
+                return await self._read(lkey)
             if notified.fence >= seen:
                 return notified
             # A late notification of an earlier mandate: the row has moved on since.
+
+    async def _read(self, lkey: str) -> LeaseRow | None:
+        """The lease's row. A database that does not answer (a restart, a failover) is
+        asked again every ``leases.poll_interval`` for up to one TTL, as long as the
+        holder rides out an outage without losing its lease; then the error stands
+        (docs/architecture.md, "Waiting on a lease")."""
+        loop = asyncio.get_running_loop()
+        failing_since: float | None = None
+        while True:
+            try:
+                return await self.catalog.get_lease(lkey)
+            except CatalogError as exc:
+                if failing_since is None:
+                    failing_since = loop.time()
+                    log.warning("lease wait key=%s: database unavailable (%s); retrying", lkey, exc)
+                elif loop.time() - failing_since >= self.ttl_s:
+                    raise
+            await asyncio.sleep(self.poll_interval_s)
 
     async def _outcome(
         self, row: LeaseRow | None, find_entry: Callable[[], Awaitable[Entry | None]]
