@@ -39,7 +39,7 @@ JOB = "mirror:nightly"
 
 
 @pytest.fixture
-def bounced(pg_url: str, tmp_path: Path) -> Iterator[tuple[FleetDb, PgBouncer]]:
+def bounced(pg_url: str) -> Iterator[tuple[FleetDb, PgBouncer]]:
     db, bouncer = behind("pgbouncer", pg_url)
     assert bouncer is not None
     yield db, bouncer
