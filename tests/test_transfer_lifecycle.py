@@ -63,7 +63,13 @@ class ScriptedLeases:
         self.grant = False
         self.fence = 0
 
-    async def claim(self, repository: str, key: str, unless_stored: bool = True) -> Held | None:
+    async def claim(
+        self,
+        repository: str,
+        key: str,
+        unless_stored: bool = True,
+        unrenewed: tuple[int, float] | None = None,
+    ) -> Held | None:
         return Held() if self.grant else None
 
     async def wait(self, repository: str, key: str, find_entry: Any, on_stream: Any) -> WaitResult:
