@@ -20,6 +20,10 @@ import asyncpg
 import httpx
 import pytest
 
+from proxy.catalog import migrations_dir
+from proxy.catalog.postgres import PostgresCatalog
+from proxy.clock import SYSTEM_CLOCK
+from tests.pg import PostgresServer
 from tests.pgbouncer import FleetDb, PgBouncer, behind
 from tests.processes import ProxyProcess
 from tests.test_fleet import Fleet, fetch_digests, fleet_config, lease_row, wait_for_holder
@@ -199,3 +203,39 @@ def test_job_locks_are_held_once_per_fleet_and_given_back_when_their_connection_
     )[0][0]
     assert servers <= bouncer.pool_size
     no_pooler_errors(replicas)
+
+
+def test_the_pool_behind_pgbouncer_costs_postgres_no_statement_of_its_own() -> None:
+    """PgBouncer sets a client's parameters on the server connection it lends when they
+    differ from it: asyncpg's client_encoding "utf-8" against the server's "UTF8" was a
+    SET before every transaction (as many statements again as the proxy's own)."""
+    server = PostgresServer({"shared_preload_libraries": "pg_stat_statements"}).init().start()
+    db, bouncer = behind("pgbouncer", server.admin_url)
+    assert bouncer is not None
+
+    async def scenario() -> list[asyncpg.Record]:
+        admin = await asyncpg.connect(server.admin_url)
+        catalog = PostgresCatalog(db.url, migrations_dir() / "postgres", SYSTEM_CLOCK)
+        try:
+            await admin.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            await catalog.migrate()
+            await admin.execute("SELECT pg_stat_statements_reset()")
+            for n in range(20):
+                assert await catalog.get_lease(f"r/k{n}") is None
+            return list(
+                await admin.fetch(
+                    "SELECT query, calls FROM pg_stat_statements "
+                    "WHERE query NOT LIKE '%pg_stat_statements%'"
+                )
+            )
+        finally:
+            await catalog.close()
+            await admin.close()
+
+    try:
+        counted = asyncio.run(scenario())
+    finally:
+        bouncer.stop()
+        server.destroy()
+    assert sum(r["calls"] for r in counted) == 20, counted
+    assert not [r for r in counted if r["query"].upper().startswith("SET")], counted

@@ -45,6 +45,10 @@ CONNECT_TIMEOUT_S = 5.0
 NOTIFY_CHANNEL = "proxy_fetch_leases"
 APPLICATION_NAME = "proxy"
 SESSION_APPLICATION_NAME = "proxy-session"
+# client_encoding spelled as the server reports it: asyncpg asks for "utf-8", and
+# PgBouncer, which compares the names as strings, then sent a SET client_encoding
+# before every transaction of ours, doubling what the pool costs Postgres.
+POOL_SETTINGS = {"application_name": APPLICATION_NAME, "client_encoding": "UTF8"}
 
 _CONNECTION_LOST = (
     asyncpg.ConnectionDoesNotExistError,
@@ -111,7 +115,7 @@ class PostgresCatalog(SqlCatalog):
                             # one statement's round trips, which it keeps together.
                             statement_cache_size=0,
                             connection_class=_PooledConnection,
-                            server_settings={"application_name": APPLICATION_NAME},
+                            server_settings=POOL_SETTINGS,
                         )
         return self._pool
 
