@@ -1,5 +1,5 @@
-"""``proxy serve | check-config | migrate | gc | stats | mirror | jobs | storage copy |
-policy explain``.
+"""``proxy serve | check-config | migrate | gc | verify | stats | mirror | jobs | storage
+copy | policy explain``.
 
 Nothing of the proxy is imported at module level: the Prometheus client decides where
 metric values live when ``proxy.runtime.metrics`` is first imported, so the metrics folder must
@@ -38,6 +38,7 @@ NEEDS: dict[str, tuple[frozenset[str] | None, str]] = {
     "check-config": (None, "all"),
     "migrate": (_STORE, "none"),
     "gc": (_STORE | {"leases"}, "none"),
+    "verify": (_STORE, "none"),
     "stats": (_STORE, "none"),
     "jobs": (_STORE | {"jobs", "leases", "upstream", "mirrors"}, "none"),
     "mirror": (_STORE | {"leases", "upstream", "mirrors"}, "mirrors"),
@@ -102,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         "run one reclaim pass now",
         "Delete old lease rows, temp files of crashed downloads and blobs no entry "
         "points to (the reclaim job, once).",
+    )
+    verify = command(
+        "verify",
+        "re-hash every stored blob now; quarantine the corrupt ones",
+        "Read every blob an entry names as the storage holds it (the file, or the object "
+        "in the bucket) and hash it, at full speed (the scrub job does the same, paced by "
+        "storage.scrub_rate). A blob whose size or sha256 is not its name's is named, "
+        "with the entries naming it, and quarantined: moved aside and its entries "
+        "deleted, so the next request fetches it again. Exit status 1 if a blob was "
+        "corrupt, missing or unreadable.",
+    )
+    verify.add_argument(
+        "--dry-run", action="store_true", help="name the corrupt blobs, quarantine nothing"
     )
     stats = command(
         "stats",
@@ -237,6 +251,13 @@ def _main(argv: Sequence[str] | None) -> int:
             return asyncio.run(_jobs(settings, args.json))
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
+            return 130
+    if args.command == "verify":
+        configure_logging("warning")  # its report is the point
+        try:
+            return asyncio.run(_verify(settings, args.dry_run))
+        except KeyboardInterrupt:
+            print("interrupted: nothing more was checked", file=sys.stderr)
             return 130
     if args.command != "serve":
         configure_logging("info")
@@ -405,6 +426,59 @@ async def _gc(settings: Settings) -> int:
         await catalog.close()
     print(summary)
     return 0
+
+
+async def _verify(settings: Settings, dry_run: bool) -> int:
+    import logging
+
+    from proxy.cache.index import EntryIndex
+    from proxy.cache.quarantine import Quarantine
+    from proxy.catalog import open_catalog
+    from proxy.exceptions import CatalogError, StorageError
+    from proxy.http.bodies import HotBlobs, MarkCounts
+    from proxy.jobs.scrub import Scrub, VerifyReport
+    from proxy.runtime.blocking import install_io_executor
+    from proxy.runtime.tasks import TaskSupervisor
+    from proxy.storage.store import open_storage
+
+    missing = await _no_catalog(settings)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
+    # The report names every corrupt blob itself; the quarantine's log line would say it
+    # twice.
+    logging.getLogger("proxy.quarantine").setLevel(logging.CRITICAL)
+    install_io_executor(asyncio.get_running_loop())
+    catalog = open_catalog(settings.database_url, connections=settings.database)
+    storage = open_storage(settings)
+    tasks = TaskSupervisor()
+    report = VerifyReport(sys.stdout, sys.stdout.isatty())
+    try:
+        await storage.start()
+        quarantine = None
+        if not dry_run:
+            # This process's memories are empty; the serving replicas' find the file
+            # gone (a shared volume) or verify the object as they read it.
+            quarantine = Quarantine(catalog, storage, EntryIndex(), HotBlobs(), MarkCounts(), tasks)
+        report.planned(*await catalog.stored_blob_totals())
+        scrub = Scrub(catalog, storage, quarantine, rate=None, resume=False, report=report)
+        await scrub.run()
+    except CatalogError as exc:
+        report.finish()
+        print(redact(f"database.url: {exc}"), file=sys.stderr)
+        return 1
+    except StorageError as exc:
+        report.finish()
+        print(f"{exc}", file=sys.stderr)
+        return 1
+    finally:
+        report.finish()
+        await tasks.close(10.0)
+        await storage.close()
+        await catalog.close()
+    summary = scrub.summary
+    print(summary.line() + (" (dry run: nothing was quarantined)" if dry_run else ""))
+    return 1 if summary.corrupt or summary.missing or summary.unreadable else 0
 
 
 async def _no_catalog(settings: Settings, current: bool = False) -> str | None:

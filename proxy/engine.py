@@ -26,6 +26,7 @@ from proxy.cache.documents import Documents
 from proxy.cache.hosted import CountedUploads, HostedView
 from proxy.cache.index import AccessLog, EntryIndex
 from proxy.cache.proxied import ProxiedView
+from proxy.cache.quarantine import Quarantine
 from proxy.catalog import Catalog, open_catalog
 from proxy.clock import Clock
 from proxy.config.settings import PolicySettings, RepositorySettings, Settings
@@ -44,7 +45,8 @@ from proxy.fetch.leases import LeaseCoordinator, make_holder_id
 from proxy.fetch.relay import RelayServer
 from proxy.fetch.relayed import RelayClient
 from proxy.fleet import Counted, Heartbeat
-from proxy.http.responses import FormatResponses, HotBlobs
+from proxy.http.bodies import BlobFiles, HotBlobs, MarkCounts
+from proxy.http.responses import FormatResponses
 from proxy.jobs import Job, Scheduler, standard_jobs
 from proxy.jobs.packages import PackageBackfill
 from proxy.mirror.runner import Mirrors, MirrorSource
@@ -253,8 +255,16 @@ async def _engine(
             tasks = TaskSupervisor()
             holder = make_holder_id()
             leases = LeaseCoordinator(catalog, settings.leases, tasks, holder, clock)
-            index, access, hot = EntryIndex(), AccessLog(clock), HotBlobs()
-            fills = TierFills(storage, tasks) if isinstance(storage, ObjectStorage) else None
+            index, access, hot, marks = EntryIndex(), AccessLog(clock), HotBlobs(), MarkCounts()
+            # Blobs verified when read (docs/architecture.md): one quarantine and one set
+            # of stamps per process.
+            files = BlobFiles(storage.files.stamps, settings.storage.verify_reads)
+            quarantine = Quarantine(catalog, storage, index, hot, marks, tasks)
+            fills = (
+                TierFills(storage, tasks, files, quarantine)
+                if isinstance(storage, ObjectStorage)
+                else None
+            )
             fetcher = Fetcher(
                 catalog, storage, index, leases, tasks, clock,
                 open_stored=fills.source if fills is not None else None,
@@ -262,7 +272,7 @@ async def _engine(
             )  # fmt: skip
             s3 = settings.object_storage
             cache = Cache(
-                catalog, storage, fetcher, index, access, hot, clock,
+                catalog, storage, fetcher, index, access, hot, clock, marks, files, quarantine,
                 bodies=fills.body if fills is not None else None,
                 redirect_min_size=s3.redirect_min_size if s3 is not None else None,
             )  # fmt: skip

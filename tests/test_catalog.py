@@ -232,3 +232,46 @@ async def test_concurrent_migrations_apply_once(database_url: str) -> None:
     finally:
         for c in catalogs:
             await c.close()
+
+
+async def test_stored_blobs_in_keyset_pages_and_a_corrupt_blobs_entries_deleted(
+    catalog: Catalog,
+) -> None:
+    # Blobs verified when read: the scrub's walk, proxy verify's totals, the quarantine.
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    await catalog.put_entry(_entry("one", sha=b, size=20))
+    await catalog.put_entry(_entry("two", sha=b, size=20))
+    await catalog.put_entry(_entry("three", sha=a, size=10))
+    await catalog.put_entry(_entry("four", sha=c, size=30, repository="other"))
+    await catalog.put_entry(_entry("neg", sha=None, size=0, kind=Kind.NEGATIVE))
+    assert await catalog.stored_blobs("", 2) == [(a, 10), (b, 20)]
+    assert await catalog.stored_blobs(b, 2) == [(c, 30)]
+    assert await catalog.stored_blobs(c, 2) == []
+    assert await catalog.stored_blob_totals() == (3, 60)
+    assert await catalog.blob_entries(b, 10) == [("r", "one"), ("r", "two")]
+    assert await catalog.blob_entries(b, 1) == [("r", "one")]
+    removed = await catalog.delete_blob_entries(b)
+    assert sorted((r.repository, r.key, r.sha256, r.size) for r in removed) == [
+        ("r", "one", b, 20),
+        ("r", "two", b, 20),
+    ]
+    assert await catalog.get_entry("r", "one") is None
+    assert await catalog.get_entry("r", "three") is not None
+    assert await catalog.stored_blobs("", 10) == [(a, 10), (c, 30)]
+    assert (b, 20) in await catalog.due_tombstones(0.0, "", 10)  # tombstoned as any deletion
+    assert await catalog.delete_blob_entries(b) == []
+
+
+async def test_a_jobs_cursor_is_kept_across_its_runs(catalog: Catalog) -> None:
+    assert await catalog.job_cursor("scrub") is None
+    run = await catalog.claim_job_run("scrub", 3600, "a")
+    assert run is not None
+    await catalog.save_job_cursor("scrub", "ab" * 32)
+    assert await catalog.job_cursor("scrub") == "ab" * 32
+    await catalog.give_back_job_run("scrub", run)  # cut off: the next pass resumes there
+    again = await catalog.claim_job_run("scrub", 3600, "b")
+    assert again is not None
+    assert await catalog.job_cursor("scrub") == "ab" * 32
+    await catalog.save_job_cursor("scrub", None)  # a round complete
+    await catalog.finish_job_run("scrub", again, "ok")
+    assert await catalog.job_cursor("scrub") is None

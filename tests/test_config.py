@@ -508,3 +508,35 @@ def test_an_aws_profile_or_region_from_the_environment_that_is_wrong_stops_the_s
         last = done.stderr.strip().splitlines()[-1]
         assert last.startswith("cannot use the storage: ") and named in last, last
         assert "retrying" not in done.stderr, done.stderr
+
+
+def test_blob_verification_settings_load_are_validated_and_described(tmp_path: Path) -> None:
+    defaults = load(write_config(tmp_path, "[storage]\n"), {})
+    assert defaults.storage.verify_reads is False  # off by default: it costs every hit
+    assert defaults.storage.scrub_rate == 50 * 10**6
+    assert defaults.jobs.scrub_interval_s == 24 * 3600
+    config = write_config(
+        tmp_path,
+        '[storage]\nverify_reads = true\nscrub_rate = "5MiB/s"\n[jobs]\nscrub_interval = "6h"\n',
+    )
+    settings = load(config, {})
+    assert settings.storage.verify_reads is True
+    assert settings.storage.scrub_rate == 5 * 2**20
+    assert settings.jobs.scrub_interval_s == 6 * 3600
+    again = load(write_config(tmp_path, settings.describe(), name="again.toml"), {})
+    assert again.storage == settings.storage and again.jobs == settings.jobs
+    with pytest.raises(ConfigError) as raised:
+        load(
+            write_config(
+                tmp_path,
+                '[storage]\nverify_reads = "yes"\nscrub_rate = "10KiB/s"\n'
+                '[jobs]\nscrub_interval = "soon"\n',
+                name="bad.toml",
+            ),
+            {},
+        )
+    errors = raised.value.errors
+    assert any(e.startswith("storage.verify_reads: ") for e in errors), errors
+    [rate] = [e for e in errors if e.startswith("storage.scrub_rate: ")]
+    assert "at least 1MiB/s" in rate
+    assert any(e.startswith("jobs.scrub_interval: ") for e in errors), errors

@@ -167,7 +167,7 @@ async def test_a_repository_without_retention_schedules_no_retention_job(
     url = f"sqlite:///{tmp_path / 'c.db'}"
     async with engine_for(tmp_path, upstream, clock, url) as engine:
         names = [j.name for j in engine.jobs()]
-        assert names == ["reclaim", "evict", "packages"]
+        assert names == ["reclaim", "evict", "scrub", "packages"]
 
 
 def volume_bytes(engine: Engine) -> int:

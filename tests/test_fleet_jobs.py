@@ -485,7 +485,13 @@ def test_proxy_mirror_with_an_sbom_and_proxy_jobs(tmp_path: Path, upstream: Fake
         "holder",
     ]
     jobs = lines[1 : lines.index("")]
-    assert [line.split()[0] for line in jobs] == ["reclaim", "evict", "packages", "mirror:nightly"]
+    assert [line.split()[0] for line in jobs] == [
+        "reclaim",
+        "evict",
+        "scrub",
+        "packages",
+        "mirror:nightly",
+    ]
     assert all("never" in line and "now" in line for line in jobs)
     # The manual run above is recorded where `proxy jobs` shows it.
     runs = lines[lines.index("") + 1 :]

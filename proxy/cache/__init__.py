@@ -12,17 +12,18 @@ the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from proxy.cache.index import AccessLog, EntryIndex
+from proxy.cache.quarantine import Quarantine
 from proxy.catalog import Catalog, Entry, Removed, StorageUsage
 from proxy.clock import Clock
 from proxy.contract import FetchSpec, Request, Response
 from proxy.exceptions import CatalogError
 from proxy.fetch.fetcher import Fetcher, under_current_ttl
 from proxy.http import responses
-from proxy.http.responses import BlobBody, FileBody, HotBlobs, MarkCounts
+from proxy.http.bodies import BlobBody, BlobFiles, FileBody, HotBlobs, MarkCounts
 from proxy.runtime import metrics
 from proxy.storage.store import Storage
 from proxy.types import Kind
@@ -38,9 +39,9 @@ CONDITIONAL_HEADERS = ("if-none-match", "if-modified-since", "if-unmodified-sinc
 # (docs/architecture.md, "Object storage"): the "blob vanished" path refetches instead.
 RECENT_BLOB_GUARD_S = 60.0
 
-# How a hit reads an entry's blob here: (entry, what to do if its object turns out to be
-# corrupt) -> its body. Object storage fills the local tier; the folder store opens files.
-Bodies = Callable[[Entry, Callable[[], Awaitable[None]]], BlobBody]
+# How a hit reads an entry's blob here. Object storage reads the local tier or fills it;
+# the folder store opens files. Either hands what it finds corrupt to the quarantine.
+Bodies = Callable[[Entry], BlobBody]
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,14 @@ class Cache:
         access: AccessLog,
         hot: HotBlobs,
         clock: Clock,
+        marks: MarkCounts,
+        files: BlobFiles,
+        quarantine: Quarantine,
         bodies: Bodies | None = None,
         redirect_min_size: int | None = None,
     ) -> None:
-        """``redirect_min_size``: hits on immutable files at least this large are
+        """``files``: how blob files are opened (stamps, ``storage.verify_reads``);
+        ``redirect_min_size``: hits on immutable files at least this large are
         redirected to the storage (``Storage.redirect``), if it offers a URL."""
         self.catalog = catalog
         self.storage = storage
@@ -71,18 +76,22 @@ class Cache:
         self.access = access
         self.hot = hot
         self.clock = clock
-        self.marks = MarkCounts()
+        self.marks = marks
+        self.files = files
+        self.quarantine = quarantine
         self.bodies = bodies or self._file_body
         self.redirect_min_size = redirect_min_size
 
-    def _file_body(self, entry: Entry, on_corrupt: Callable[[], Awaitable[None]]) -> BlobBody:
+    def _file_body(self, entry: Entry) -> BlobBody:
         assert entry.sha256 is not None
-        return FileBody(self.storage.blob_path(entry.sha256))
+        path = self.storage.blob_path(entry.sha256)
+        return FileBody(self.files, path, entry.sha256, entry.size, self.quarantine)
 
     def body(self, entry: Entry) -> BlobBody:
-        """Where a hit on ``entry`` reads its bytes; a corrupt object found on the way
-        makes the entry forgotten, so the next request fetches it again."""
-        return self.bodies(entry, lambda: self.forget(entry))
+        """Where a hit on ``entry`` reads its bytes; a copy found corrupt on the way is
+        quarantined, and the blob is gone for the caller (FileNotFoundError), so it is
+        fetched again (docs/architecture.md, "Blobs verified when read")."""
+        return self.bodies(entry)
 
     async def lookup(
         self, repository: str, key: str, spec: FetchSpec | None = None

@@ -9,7 +9,10 @@ format (docs/architecture.md, "The request path of a hit", "... of a miss").
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import logging
+import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -31,11 +34,14 @@ from proxy.exceptions import NotFound, RetryLater, StorageError, UpstreamError
 from proxy.fetch.fetcher import Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
 from proxy.http import responses
 from proxy.http.access_log import note_outcome
-from proxy.http.responses import FileBody
+from proxy.http.bodies import MARK, FileBody
 from proxy.policy.gate import ReleaseGate
 from proxy.runtime import metrics
 from proxy.runtime.blocking import CpuPool, run_blocking
+from proxy.storage.integrity import Corruption
 from proxy.types import Digests, Kind, Link, LinkBatch
+
+log = logging.getLogger("proxy.cache")
 
 
 class CatalogLinks:
@@ -232,7 +238,7 @@ class ProxiedView:
         if isinstance(outcome, Inline):
             body = outcome.body
             if base_url is not None:
-                body = body.replace(responses.MARK, base_url.encode("ascii"))
+                body = body.replace(MARK, base_url.encode("ascii"))
             return responses.inline(
                 request.headers, request.method, body, outcome.content_type, extra, self.name
             )
@@ -420,9 +426,11 @@ class ProxiedView:
         )
         # Absolute URLs back to the proxy: the client's own, never stored.
         base_url = request.base_url if rendering.marks else None
-        return await self.cache.render_body(
-            served, FileBody(rendering.path), request, extra, base_url
-        )
+        body = FileBody(
+            self.cache.files, rendering.path, rendering.sha256, rendering.size,
+            functools.partial(_drop_rendering, rendering.path),
+        )  # fmt: skip
+        return await self.cache.render_body(served, body, request, extra, base_url)
 
     async def _document_digests(self, spec: FetchSpec, representation: str) -> Digests:
         existing = await self.cache.lookup(self.name, spec.key, spec)
@@ -488,3 +496,12 @@ async def _plain(key: str, listed: Listed) -> Judged:
 
 def _digests_of(body: bytes, names: Iterable[str]) -> Digests:
     return {name: hashlib.new(name, body).hexdigest() for name in dict.fromkeys(names)}
+
+
+async def _drop_rendering(path: str, found: Corruption) -> None:
+    """A rendering found corrupt (docs/architecture.md, "Blobs verified when read"): it is
+    this host's own file, made from the stored document, so it is removed and rendered
+    again; no entry names it, so nothing is quarantined."""
+    log.error("rendering %s is corrupt (%s): removed, rendered again", path, found.describe())
+    with contextlib.suppress(FileNotFoundError):
+        await run_blocking(os.unlink, path)

@@ -142,7 +142,7 @@ class StorageUsage:
 
 @dataclass(frozen=True, slots=True)
 class Removed:
-    """An entry an eviction or retention pass deleted."""
+    """An entry an eviction, retention pass or quarantine deleted."""
 
     repository: str
     key: str
@@ -350,6 +350,25 @@ class Catalog(Protocol):
 
     async def delete_expired_negatives(self, older_than_ms: int) -> int: ...
 
+    # -- stored blobs (docs/architecture.md, "Blobs verified when read") ------------------
+    async def stored_blobs(self, after: str, limit: int) -> list[tuple[str, int]]:
+        """``(sha256, size)`` of up to ``limit`` blobs that entries name, in sha256 order
+        after ``after`` (keyset pages: the scrub's walk)."""
+        ...
+
+    async def stored_blob_totals(self) -> tuple[int, int]:
+        """How many distinct blobs entries name, and their bytes."""
+        ...
+
+    async def blob_entries(self, sha256: str, limit: int) -> list[tuple[str, str]]:
+        """``(repository, key)`` of up to ``limit`` entries naming the blob, in order."""
+        ...
+
+    async def delete_blob_entries(self, sha256: str) -> list[Removed]:
+        """Delete every entry naming the blob (it was found corrupt), in one statement;
+        the triggers tombstone it as for any deletion."""
+        ...
+
     # -- links (files an index listed: contract.LinkStore) --------------------------------
     async def put_links(self, links: Sequence[Link] | LinkBatch) -> None: ...
 
@@ -455,6 +474,15 @@ class Catalog(Protocol):
     async def job_runs(self) -> tuple[list[JobRun], int]:
         """Every job's last run, and the database's clock now (Unix ms): the schedulers'
         one read per check, which writes nothing."""
+        ...
+
+    async def job_cursor(self, name: str) -> str | None:
+        """Where job ``name``'s passes have got to (``save_job_cursor``), if anywhere."""
+        ...
+
+    async def save_job_cursor(self, name: str, cursor: str | None) -> None:
+        """Record where the running pass of job ``name`` has got to (None: start over);
+        kept in its ``job_runs`` row, so a pass cut off resumes there."""
         ...
 
     # -- browsing and purging (docs/architecture.md, "Operating: console, API and logs") --

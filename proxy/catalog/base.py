@@ -146,6 +146,23 @@ class SqlCatalog:
     async def delete_expired_negatives(self, older_than_ms: int) -> int:
         return await self._execute("delete_expired_negatives", older_than_ms)
 
+    # -- stored blobs (docs/architecture.md, "Blobs verified when read") -------------------
+
+    async def stored_blobs(self, after: str, limit: int) -> list[tuple[str, int]]:
+        rows = await self._fetch("stored_blobs", after, int(limit))
+        return [(r["sha256"], int(r["size"])) for r in rows]
+
+    async def stored_blob_totals(self) -> tuple[int, int]:
+        row = await self._fetchrow("stored_blob_totals")
+        return int(row["blobs"]), int(row["bytes"])
+
+    async def blob_entries(self, sha256: str, limit: int) -> list[tuple[str, str]]:
+        rows = await self._fetch("blob_entries", sha256, int(limit))
+        return [(r["repository"], r["key"]) for r in rows]
+
+    async def delete_blob_entries(self, sha256: str) -> list[Removed]:
+        return [_removed(r) for r in await self._write_fetch("delete_blob_entries", sha256)]
+
     # -- eviction and retention (docs/architecture.md, "Eviction and retention") -----------
 
     async def storage_usage(self) -> StorageUsage:
@@ -333,6 +350,13 @@ class SqlCatalog:
             for r in rows
         ]
         return runs, int(rows[0]["now_ms"])
+
+    async def job_cursor(self, name: str) -> str | None:
+        row = await self._fetchrow("select_job_cursor", name)
+        return row["cursor"] if row else None
+
+    async def save_job_cursor(self, name: str, cursor: str | None) -> None:
+        await self._execute("save_job_cursor", name, cursor)
 
     # -- browsing and purging -------------------------------------------------------------
 

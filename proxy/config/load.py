@@ -67,6 +67,8 @@ from proxy.config.settings import (
     DEFAULT_RECLAIM_INTERVAL_S,
     DEFAULT_RETENTION_INTERVAL_S,
     DEFAULT_RETRIES,
+    DEFAULT_SCRUB_INTERVAL_S,
+    DEFAULT_SCRUB_RATE,
     DEFAULT_STORAGE_PATH,
     DEFAULT_SWEEP_INTERVAL_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
@@ -102,6 +104,7 @@ from proxy.redaction import redact_url
 from proxy.upstream.ssrf import relay_url_problem
 
 RETENTION = Duration(positive=True)
+SCRUB_RATE_MIN = 2**20  # bytes per second: storage.scrub_rate's floor
 # First path segments the proxy answers itself (a repository cannot be named so).
 RESERVED_NAMES = frozenset({"healthz", "readyz", "metrics", "favicon.ico", "ui", "api"})
 _REPO_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -291,7 +294,7 @@ class _Parser:
             "storage",
             {
                 "path", "url", "local_cache", "local_cache_max_size", "s3", "min_free",
-                "max_size", "low_watermark",
+                "max_size", "low_watermark", "verify_reads", "scrub_rate",
             },
         )  # fmt: skip
         upstream = self.table(
@@ -314,7 +317,7 @@ class _Parser:
             "jobs",
             {
                 "reclaim_interval", "sweep_interval", "evict_interval", "retention_interval",
-                "evict_grace",
+                "evict_grace", "scrub_interval",
             },
         )  # fmt: skip
 
@@ -442,6 +445,9 @@ class _Parser:
             evict_grace_s=self.value(
                 jobs, "jobs", "evict_grace", Duration(), DEFAULT_EVICT_GRACE_S
             ),
+            scrub_interval_s=self.value(
+                jobs, "jobs", "scrub_interval", interval, DEFAULT_SCRUB_INTERVAL_S
+            ),
         )
         storage_settings = StorageSettings(
             max_size=self.value(storage, "storage", "max_size", OptionalSize()),
@@ -449,6 +455,14 @@ class _Parser:
                 storage, "storage", "low_watermark", Percent(), DEFAULT_LOW_WATERMARK
             ),
             min_free=self.value(storage, "storage", "min_free", Size(), DEFAULT_MIN_FREE),
+            verify_reads=self.value(storage, "storage", "verify_reads", Flag(), False),
+            scrub_rate=self.value(
+                storage,
+                "storage",
+                "scrub_rate",
+                Rate(minimum=SCRUB_RATE_MIN, why="a round over a few TB would take a year"),
+                DEFAULT_SCRUB_RATE,
+            ),
         )
 
         admin = self.admin(raw)

@@ -142,7 +142,13 @@ class Size:
 
 
 class Rate:
-    """A transfer rate: ``"4KiB/s"`` (or a size, per second) -> bytes per second."""
+    """A transfer rate: ``"4KiB/s"`` (or a size, per second) -> bytes per second.
+
+    ``minimum``: the slowest rate that can work; slower ones are an error naming it."""
+
+    def __init__(self, minimum: int = 0, why: str = "") -> None:
+        self.minimum = minimum
+        self.why = why
 
     def parse(self, value: object, key: str, report: Reporter) -> int | None:
         text = _expanded(value, key, report)
@@ -152,6 +158,12 @@ class Rate:
             rate = parse_size(text)
         except ValueError:
             report.error(key, f'{value!r} is not a rate; use e.g. "4KiB/s" or "1MB/s"')
+            return None
+        if rate < self.minimum:
+            because = f" ({self.why})" if self.why else ""
+            report.error(
+                key, f"{value!r} is too slow: at least {format_size(self.minimum)}/s{because}"
+            )
             return None
         return rate
 

@@ -61,6 +61,10 @@ DEFAULT_LOW_WATERMARK = 0.9
 DEFAULT_EVICT_INTERVAL_S = 300.0
 DEFAULT_RETENTION_INTERVAL_S = 3600.0
 DEFAULT_EVICT_GRACE_S = 3600.0
+DEFAULT_SCRUB_INTERVAL_S = 24 * 3600.0
+# The scrub re-hashes stored blobs at this pace at most, so it never competes with hits
+# for the disk (or the bucket): a day covers 4 TB.
+DEFAULT_SCRUB_RATE = 50 * 10**6
 DEFAULT_MIRROR_INTERVAL_S = 24 * 3600.0
 DEFAULT_MIRROR_VERSIONS = "latest"
 MIRROR_VERSIONS = ("latest", "all")
@@ -174,6 +178,10 @@ class StorageSettings:
     max_size: int | None = None  # all proxied repositories together; None: no limit
     low_watermark: float = DEFAULT_LOW_WATERMARK  # a pass stops at or under this share
     min_free: int = DEFAULT_MIN_FREE  # /readyz says not ready below this much free space
+    # Hash every read of a stored blob as it is sent, stamped or not (docs/architecture.md,
+    # "Blobs verified when read": off, it costs the hit path its cheapest reads).
+    verify_reads: bool = False
+    scrub_rate: int = DEFAULT_SCRUB_RATE  # bytes per second the scrub reads at most
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,7 @@ class JobSettings:
     # An evicted blob is deleted only this long after its last entry went, so a client
     # still reading it (on any replica of a shared volume) finishes first.
     evict_grace_s: float = DEFAULT_EVICT_GRACE_S
+    scrub_interval_s: float = DEFAULT_SCRUB_INTERVAL_S  # stored blobs re-hashed (scrub)
 
 
 @dataclass(frozen=True)
@@ -352,6 +361,8 @@ class Settings:
                 else "# max_size is not set: proxied entries are never evicted by size"
             ),
             f"low_watermark = {Percent().render(self.storage.low_watermark)}",
+            f"verify_reads = {'true' if self.storage.verify_reads else 'false'}",
+            f'scrub_rate = "{format_size(self.storage.scrub_rate)}/s"',
             *_object_storage_table(self.object_storage),
             "[upstream]",
             f'connect_timeout = "{format_duration(self.upstream.connect_timeout_s)}"',
@@ -373,6 +384,7 @@ class Settings:
             f'evict_interval = "{format_duration(self.jobs.evict_interval_s)}"',
             f'retention_interval = "{format_duration(self.jobs.retention_interval_s)}"',
             f'evict_grace = "{format_duration(self.jobs.evict_grace_s)}"',
+            f'scrub_interval = "{format_duration(self.jobs.scrub_interval_s)}"',
             *self.policy_lines(),
         ]
         lines += ["[admin]", f"anonymous = {toml_string(self.admin.anonymous)}"]

@@ -6,9 +6,13 @@ Single flight: concurrent cold hits on one blob share one ``Fill``. Its body is 
 to a temp file of the tier, hashed as it is written; the last byte is held back until
 its length and sha256 are the blob's (``Download.verify``), then the file becomes the
 tier's copy. An object whose bytes are not its name's (corrupt) cuts its clients before
-the last byte, is never kept, and the entry that led to it is forgotten, so the next
-request fetches it from the upstream again. A missing object is FileNotFoundError: the
-cache's "blob vanished" path forgets the entry and fetches again.
+the last byte, is never kept, and is quarantined (every entry naming it is deleted), so
+the next request fetches it from the upstream again. A missing object is
+FileNotFoundError: the cache's "blob vanished" path forgets the entry and fetches again.
+
+A local copy is read like a folder's file (``http/bodies.py``: its size at every open,
+its sha256 unless stamped); one found corrupt is dropped, and the object is read
+instead, through a fill (docs/architecture.md, "Blobs verified when read").
 """
 
 from __future__ import annotations
@@ -16,23 +20,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-from collections.abc import Awaitable, Callable
 
 from proxy.catalog import Entry
 from proxy.exceptions import ShuttingDown, StorageError
 from proxy.fetch.download import Download
 from proxy.fetch.transfer import LocalFile, SharedFile, Source, StoredBlob, Transfer
-from proxy.http.responses import BlobBody
+from proxy.http.bodies import BlobBody, BlobFiles, OnCorrupt, OpenBlob, gone
 from proxy.runtime import metrics
-from proxy.runtime.blocking import run_blocking
 from proxy.runtime.tasks import TaskSupervisor
 from proxy.storage.blobs import TempBlob, storage_error
+from proxy.storage.integrity import Corruption
 from proxy.storage.objects import ObjectStorage
 
 log = logging.getLogger("proxy.fill")
-
-OnCorrupt = Callable[[], Awaitable[None]]
 
 
 class CorruptObject(StorageError):
@@ -50,7 +50,7 @@ class Fill:
         self.temp: TempBlob | None = None
         self.transfer: Transfer | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.on_corrupt: list[OnCorrupt] = []
+        self.found: Corruption | None = None  # what a corrupt object holds
 
     def source(self) -> Source:
         """A source of its own (a descriptor of its own) for one more transfer."""
@@ -66,6 +66,7 @@ class Fill:
             raise
         try:
             if stream.size != self.size:
+                self.found = Corruption(self.sha256, self.size, stream.size)
                 raise CorruptObject(
                     f"the object of {self.sha256} is {stream.size} bytes, not {self.size}"
                 )
@@ -80,6 +81,7 @@ class Fill:
                         break
                 await temp.flush()
                 if temp.size != self.size or temp.sha256 != self.sha256:
+                    self.found = Corruption(self.sha256, self.size, temp.size, temp.sha256)
                     raise CorruptObject(
                         f"the object of {self.sha256} holds {temp.size} bytes with sha256 "
                         f"{temp.sha256}: not the blob"
@@ -94,34 +96,40 @@ class Fill:
             blob = self.fills.stored_blob(self.sha256, self.size)
             await self.transfer.stored(blob, None)
         except BaseException as exc:
-            if not self.ready.done():
-                self.ready.set_exception(exc)
             if self.transfer is not None:
                 self.transfer.fail(
                     exc if isinstance(exc, Exception) else StorageError("the proxy is stopping")
                 )
-            if isinstance(exc, CorruptObject):
+            joiners: BaseException = exc
+            if isinstance(exc, CorruptObject) and self.found is not None:
                 metrics.STORAGE_ERRORS.labels(operation="get", errno="corrupt").inc()
-                log.error("corrupt object in %s: %s; the entry is forgotten", storage, exc)
-                for forget in self.on_corrupt:
-                    with contextlib.suppress(Exception):
-                        await forget()
+                # Shielded: its clients (cut already) may all be gone by now.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.fills.on_corrupt(self.found))
+                joiners = gone(self.sha256)  # quarantined: fetched again, like a vanished blob
+            if not self.ready.done():
+                self.ready.set_exception(joiners)
             raise
         finally:
             stream.close()
 
 
 class TierFills:
-    """The fills of this process, by sha256."""
+    """The fills of this process, by sha256; ``files`` opens the local copies, and an
+    object found corrupt goes to ``on_corrupt`` (the quarantine)."""
 
-    def __init__(self, storage: ObjectStorage, tasks: TaskSupervisor) -> None:
+    def __init__(
+        self, storage: ObjectStorage, tasks: TaskSupervisor, files: BlobFiles, on_corrupt: OnCorrupt
+    ) -> None:
         self.storage = storage
         self.tasks = tasks
+        self.files = files
+        self.on_corrupt = on_corrupt
         self._fills: dict[str, Fill] = {}
 
-    def body(self, entry: Entry, on_corrupt: OnCorrupt) -> BlobBody:
+    def body(self, entry: Entry) -> BlobBody:
         assert entry.sha256 is not None
-        return TierBody(self, entry.sha256, entry.size, on_corrupt)
+        return TierBody(self, entry.sha256, entry.size)
 
     def stored_blob(self, sha256: str, size: int) -> StoredBlob:
         async def open_blob() -> Source:
@@ -139,7 +147,7 @@ class TierFills:
         fill = await self.join(sha256, size)
         return fill.source()
 
-    async def join(self, sha256: str, size: int, on_corrupt: OnCorrupt | None = None) -> Fill:
+    async def join(self, sha256: str, size: int) -> Fill:
         """The fill of ``sha256`` once its GET answered: ours or one running already.
         FileNotFoundError if there is no object; StorageError if the bucket fails."""
         fill = self._fills.get(sha256)
@@ -149,8 +157,6 @@ class TierFills:
             fill = Fill(self, sha256, size)
             self._fills[sha256] = fill
             self.tasks.spawn(f"fill:{sha256[:12]}", self._run(fill))
-        if on_corrupt is not None:
-            fill.on_corrupt.append(on_corrupt)
         await asyncio.shield(fill.ready)
         return fill
 
@@ -171,33 +177,46 @@ class TierFills:
 class TierBody:
     """``BlobBody`` of one hit on object storage: the local copy, else the object."""
 
-    __slots__ = ("fills", "on_corrupt", "sha256", "size")
+    __slots__ = ("fills", "sha256", "size")
 
-    def __init__(self, fills: TierFills, sha256: str, size: int, on_corrupt: OnCorrupt) -> None:
+    def __init__(self, fills: TierFills, sha256: str, size: int) -> None:
         self.fills = fills
         self.sha256 = sha256
         self.size = size
-        self.on_corrupt = on_corrupt
 
     def _local(self) -> str | None:
         return self.fills.storage.local_path(self.sha256)
 
-    async def _copy(self) -> int | None:
-        """The local copy, checked (a regular file of the blob's size), or None."""
-        return await self.fills.storage.tier.open_copy(self.sha256, self.size)
+    def _gone(self) -> None:
+        self.fills.storage.tier.forget(self.sha256)
+
+    async def _drop_copy(self, found: Corruption) -> None:
+        """The local copy is not the blob: drop it; the object (which a fill verifies)
+        is what the next read gets. The blob may well be sound, so no entry goes."""
+        self.fills.files.stamps.forget(self.sha256)
+        await self.fills.storage.tier.drop([self.sha256])
+        metrics.BLOBS_QUARANTINED.labels(reason=found.reason).inc()
+        log.error(
+            "the local copy of blob %s is corrupt (%s): dropped; its object is read instead",
+            self.sha256,
+            found.describe(),
+        )
 
     async def check(self) -> None:
         pass  # the catalog knows the size: a HEAD asks the bucket nothing
 
     async def read_all(self) -> bytes:
-        fd = await self._copy()
-        if fd is not None:
-            data = await run_blocking(_read_all_of, fd, self.size)
-            if len(data) == self.size:
-                return data
-            # Shrunk since it was opened: never kept in memory as the blob.
-            await self.fills.storage.tier.drop([self.sha256])
-        fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
+        path = self._local()
+        if path is not None:
+            try:
+                found = await self.fills.files.read(path, self.sha256, self.size)
+            except FileNotFoundError:
+                self._gone()
+            else:
+                if not isinstance(found, Corruption):
+                    return found
+                await self._drop_copy(found)
+        fill = await self.fills.join(self.sha256, self.size)
         source = fill.source()
         try:
             verified = asyncio.Event()
@@ -212,11 +231,10 @@ class TierBody:
             source.close()
 
     async def complete_path(self) -> str:
-        fd = await self._copy()
-        if fd is not None:
-            os.close(fd)  # a checked copy: its path is what is read next
-            return self.fills.storage.blob_path(self.sha256)
-        fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
+        path = self._local()
+        if path is not None:
+            return path
+        fill = await self.fills.join(self.sha256, self.size)
         assert fill.transfer is not None
         await fill.transfer.result()  # verified and kept (or raises)
         path = self._local()
@@ -224,25 +242,19 @@ class TierBody:
             raise FileNotFoundError(f"the local copy of {self.sha256} was not kept")
         return path
 
-    async def open(self) -> int | Transfer:
-        fd = await self._copy()
-        if fd is not None:
-            return fd
-        fill = await self.fills.join(self.sha256, self.size, self.on_corrupt)
+    async def open(self, whole_first: bool) -> OpenBlob | Transfer:
+        path = self._local()
+        if path is not None:
+            try:
+                opened = await self.fills.files.open(
+                    path, self.sha256, self.size, whole_first, self._drop_copy
+                )
+            except FileNotFoundError:
+                self._gone()
+            else:
+                if not isinstance(opened, Corruption):
+                    return opened
+                await self._drop_copy(opened)
+        fill = await self.fills.join(self.sha256, self.size)
         assert fill.transfer is not None
         return fill.transfer
-
-
-def _read_all_of(fd: int, size: int) -> bytes:
-    """Up to ``size`` bytes of ``fd`` from its start, and close it."""
-    try:
-        chunks, got = [], 0
-        while got < size:
-            data = os.pread(fd, size - got, got)
-            if not data:
-                break
-            chunks.append(data)
-            got += len(data)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)

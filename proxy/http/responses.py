@@ -3,26 +3,35 @@ progress, inline bodies, and plain-text errors.
 
 These are bare ASGI callables rather than Starlette responses: the cache hit is the
 hot path, and a small blob is answered from memory in one ``send`` with no thread hop.
-A stored blob's bytes come from a ``BlobBody``: its file here (``FileBody``), or, on
-object storage, the object as it arrives into the local tier (``fetch/fill.py``).
+A stored blob's bytes come from a ``BlobBody`` (``http/bodies.py``): its file here, or,
+on object storage, the object as it arrives into the local tier (``fetch/fill.py``),
+checked as they are read (docs/architecture.md, "Blobs verified when read").
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import logging
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Mapping
 
 from proxy.catalog import Entry
-from proxy.contract import BASE_URL_MARK, Request
+from proxy.contract import Request
 from proxy.fetch.download import SEND_CHUNK_BYTES
 from proxy.fetch.transfer import Transfer
 from proxy.http.access_log import note_sent
+from proxy.http.bodies import (
+    HOT_MAX_BLOB_BYTES,
+    MARK,
+    BlobBody,
+    HotBlobs,
+    MarkCounts,
+    OpenBlob,
+    SendCheck,
+)
 from proxy.http.protocol import SENDFILE_EXTENSION, SocketFileSender
 from proxy.http.semantics import (
     etag_of,
@@ -38,17 +47,13 @@ from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.storage.blobs import storage_error
+from proxy.storage.integrity import read_hashed
 from proxy.types import Kind, Receive, Scope, Send
 
 log = logging.getLogger("proxy.responses")
 
-HOT_MAX_BLOB_BYTES = 256 * 1024  # blobs up to this size are kept in memory
-HOT_CAPACITY_BYTES = 64 * 1024 * 1024
 # Redirects a format answers on its own (e.g. PEP 503 name normalization) never change.
 REDIRECT_MAX_AGE_S = 86400
-MARK = BASE_URL_MARK.encode()
-MARK_COUNTS_CAPACITY = 10_000  # bodies whose count of base-URL marks is remembered
-MARK_COUNT_READ_BYTES = 1024 * 1024
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -56,76 +61,6 @@ Headers = list[tuple[bytes, bytes]]
 # high-water mark and writes nothing. Sent before each chunk is read, it makes what a
 # client that stops reading costs us one buffered chunk, not one more in hand.
 _WAIT_WRITABLE = {"type": "http.response.body", "body": b"", "more_body": True}
-
-
-class HotBlobs:
-    """Small blob bodies by sha256 (content-addressed, so never stale), LRU-bounded."""
-
-    def __init__(self, capacity_bytes: int = HOT_CAPACITY_BYTES) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.size_bytes = 0
-        self._items: OrderedDict[str, bytes] = OrderedDict()
-
-    def get(self, sha256: str) -> bytes | None:
-        body = self._items.get(sha256)
-        if body is not None:
-            self._items.move_to_end(sha256)
-        return body
-
-    def put(self, sha256: str, body: bytes) -> None:
-        if sha256 in self._items or len(body) > HOT_MAX_BLOB_BYTES:
-            return
-        self._items[sha256] = body
-        self.size_bytes += len(body)
-        while self.size_bytes > self.capacity_bytes:
-            _, old = self._items.popitem(last=False)
-            self.size_bytes -= len(old)
-
-
-class BlobBody(Protocol):
-    """Where the bytes of one stored blob come from, for one answer."""
-
-    async def check(self) -> None:
-        """Raise FileNotFoundError if the blob is known to be gone (a HEAD's check;
-        only what costs nothing remote: the catalog already knows the size)."""
-        ...
-
-    async def read_all(self) -> bytes:
-        """The whole (small) body; FileNotFoundError if the blob is gone."""
-        ...
-
-    async def open(self) -> int | Transfer:
-        """A descriptor of the complete file (the caller's to close), or the body as
-        it arrives (its last byte held back until verified); FileNotFoundError if the
-        blob is gone."""
-        ...
-
-    async def complete_path(self) -> str:
-        """A complete file of the blob on this host (object storage: once the local tier
-        has it); FileNotFoundError if the blob is gone."""
-        ...
-
-
-class FileBody:
-    """A blob's complete file on this host. File calls go to a thread: the storage may
-    be a network volume."""
-
-    __slots__ = ("path",)
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    async def check(self) -> None:
-        await run_blocking(os.stat, self.path)
-
-    async def read_all(self) -> bytes:
-        return await run_blocking(_read_file, self.path)
-
-    async def open(self) -> int | Transfer:
-        return await run_blocking(os.open, self.path, os.O_RDONLY)
-
-    async def complete_path(self) -> str:
-        return self.path
 
 
 class BodyResponse:
@@ -148,7 +83,12 @@ class BodyResponse:
 
 class FileResponse:
     """A byte range of an open blob file, read in large chunks off the event loop;
-    ``rewrite`` (if any) turns each chunk into what is sent (see ``relocated_blob``)."""
+    ``rewrite`` (if any) turns each chunk into what is sent (see ``relocated_blob``).
+
+    With a ``check`` (a whole file not known good), every chunk is hashed in the thread
+    hop that reads it and the last one waits for the digest: a mismatch cuts the
+    response before its last byte and quarantines the blob, so no client ever gets a
+    complete wrong body (docs/architecture.md, "Blobs verified when read")."""
 
     def __init__(
         self,
@@ -159,7 +99,9 @@ class FileResponse:
         length: int,
         repository: str,
         rewrite: Callable[[bytes], bytes] | None = None,
+        check: SendCheck | None = None,
     ) -> None:
+        assert check is None or (start == 0 and length == check.size), "a whole file"
         self.status = status
         self.headers = headers
         self.fd = fd
@@ -167,10 +109,13 @@ class FileResponse:
         self.length = length
         self.repository = repository
         self.rewrite = rewrite
+        self.check = check
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = asyncio.Event()
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, disconnected))
+        check = self.check
+        hasher = hashlib.sha256() if check is not None else None
         sent = 0
         try:
             await send(
@@ -181,7 +126,10 @@ class FileResponse:
                 await send(_WAIT_WRITABLE)
                 size = min(SEND_CHUNK_BYTES, end - offset)
                 try:
-                    data = await run_blocking(os.pread, self.fd, size, offset)
+                    if hasher is None:
+                        data = await run_blocking(os.pread, self.fd, size, offset)
+                    else:
+                        data = await run_blocking(read_hashed, self.fd, size, offset, hasher)
                 except OSError as exc:
                     # A failing disk (EIO) or a vanished volume: end the response short,
                     # so the client sees a broken transfer, never a wrong body.
@@ -189,8 +137,16 @@ class FileResponse:
                     return
                 if not data:
                     # The file shrank under us (it never should): end the response short.
+                    if check is not None:
+                        await _shielded(check.mismatched(offset, None))
                     return
                 offset += len(data)
+                if check is not None and hasher is not None and offset >= end:
+                    digest = hasher.hexdigest()
+                    if digest != check.sha256:
+                        await _shielded(check.mismatched(check.size, digest))
+                        return  # the last chunk never goes out: a cut transfer
+                    check.matched()
                 if self.rewrite is not None:
                     data = self.rewrite(data)
                 sent += len(data)
@@ -201,6 +157,11 @@ class FileResponse:
             watcher.cancel()
             os.close(self.fd)
             metrics.BYTES_SERVED.labels(repository=self.repository).inc(sent)
+
+
+async def _shielded(work: Awaitable[None]) -> None:
+    # The quarantine goes on if the client leaves (its task is cancelled) meanwhile.
+    await asyncio.shield(work)
 
 
 class DownloadResponse:
@@ -426,38 +387,14 @@ async def blob(
             data = await body.read_all()
             hot.put(entry.sha256, data)
         return BodyResponse(status, headers, data[start : start + length], entry.repository)
-    opened = await body.open()
-    if isinstance(opened, int):
-        return FileResponse(status, headers, opened, start, length, entry.repository)
+    # A range of a file not known good is sent only once the whole file is verified: a
+    # range cannot be cut before "its last byte" of the blob.
+    opened = await body.open(whole_first=status == 206)
+    if isinstance(opened, OpenBlob):
+        return FileResponse(
+            status, headers, opened.fd, start, length, entry.repository, check=opened.check
+        )
     return DownloadResponse(headers, opened, entry.repository, False, status, start, length)
-
-
-class MarkCounts:
-    """How many base-URL marks a stored body holds, by sha256 (content-addressed, so never
-    stale; LRU-bounded): a large body is counted once, not at every request."""
-
-    def __init__(self, capacity: int = MARK_COUNTS_CAPACITY) -> None:
-        self.capacity = capacity
-        self._counts: OrderedDict[str, int] = OrderedDict()
-
-    async def of(self, sha256: str, path: str) -> int:
-        count = self._counts.get(sha256)
-        if count is None:
-            count = await run_blocking(_count_marks, path)  # FileNotFoundError if gone
-            self._counts[sha256] = count
-            if len(self._counts) > self.capacity:
-                self._counts.popitem(last=False)
-        else:
-            self._counts.move_to_end(sha256)
-        return count
-
-
-def _count_marks(path: str) -> int:
-    count = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(MARK_COUNT_READ_BYTES):
-            count += chunk.count(MARK)
-    return count
 
 
 async def relocated_blob(
@@ -502,13 +439,17 @@ async def relocated_blob(
         served = body.replace(MARK, base)
         headers.append((b"content-length", str(len(served)).encode()))
         return BodyResponse(200, headers, b"" if method == "HEAD" else served, entry.repository)
-    path = await blob_body.complete_path()  # counted, then read, whole
-    count = await marks.of(entry.sha256, path)
+    fd = await _open_verified(blob_body, entry.sha256)  # counted, then read, whole
+    try:
+        count = await marks.of(entry.sha256, fd)
+    except BaseException:
+        os.close(fd)
+        raise
     length = entry.size + count * (len(base) - len(MARK))
     headers.append((b"content-length", str(length).encode()))
     if method == "HEAD":
+        os.close(fd)
         return BodyResponse(200, headers, b"", entry.repository)
-    fd = await run_blocking(os.open, path, os.O_RDONLY)
 
     def rewrite(chunk: bytes) -> bytes:
         return chunk.replace(MARK, base)
@@ -516,9 +457,16 @@ async def relocated_blob(
     return FileResponse(200, headers, fd, 0, entry.size, entry.repository, rewrite)
 
 
-def _read_file(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
+async def _open_verified(blob_body: BlobBody, sha256: str) -> int:
+    """A descriptor of the blob's complete, verified file on this host: its marks are
+    counted before anything is sent. On object storage the local tier fills first; a
+    copy that goes (or is found corrupt and dropped) meanwhile is filled once more."""
+    for _attempt in (1, 2):
+        await blob_body.complete_path()
+        opened = await blob_body.open(whole_first=True)
+        if isinstance(opened, OpenBlob):
+            return opened.fd
+    raise FileNotFoundError(errno.ENOENT, f"no complete copy of blob {sha256} here")
 
 
 def downloading(

@@ -159,21 +159,26 @@ def standard_jobs(
     clock: Clock,
     size_limits: dict[str, int],
 ) -> list[Job]:
-    """Reclaim, eviction (which also deletes blobs past their grace), retention if a
-    repository has one, and a sweep for every repository whose format has a size limit.
+    """Reclaim, eviction (which also deletes blobs past their grace), the scrub,
+    retention if a repository has one, and a sweep for every repository whose format has
+    a size limit.
     """
     from proxy.jobs.evict import Eviction
     from proxy.jobs.reclaim import Reclaim
     from proxy.jobs.retention import Retention
+    from proxy.jobs.scrub import JOB as SCRUB
+    from proxy.jobs.scrub import Scrub
     from proxy.jobs.sweep import RepositorySweep
 
     intervals = settings.jobs
     reclaim = Reclaim(catalog, storage, clock, settings.leases.retention_s)
     bounds = settings.storage
     evict = Eviction(bounds.max_size, bounds.low_watermark, intervals.evict_grace_s, cache)
+    scrub = Scrub(catalog, storage, cache.quarantine, bounds.scrub_rate, resume=True)
     jobs = [
         Job("reclaim", intervals.reclaim_interval_s, reclaim.run),
         Job("evict", intervals.evict_interval_s, evict.run),
+        Job(SCRUB, intervals.scrub_interval_s, scrub.run),
     ]
     retentions = {r.name: r.retention_s for r in settings.repositories if r.retention_s}
     if retentions:

@@ -228,6 +228,20 @@ BLOBS_DELETED = Counter(
     "proxy_tombstoned_blobs_deleted_total",
     "Blob files deleted after their grace period (jobs.evict_grace)",
 )
+BLOBS_QUARANTINED = Counter(
+    "proxy_blobs_quarantined_total",
+    "Stored copies of blobs found corrupt and never served again, by reason (size: not "
+    "the entry's length; digest: not its sha256; type: not a regular file)",
+    ["reason"],
+)
+SCRUB_BYTES = Counter(
+    "proxy_scrub_bytes_total",
+    "Bytes of stored blobs re-hashed by the scrub job and proxy verify",
+)
+SCRUB_SLEEP = Counter(
+    "proxy_scrub_sleep_seconds_total",
+    "Seconds the scrub slept between reads to keep to storage.scrub_rate",
+)
 STORAGE_BYTES = Gauge(
     "proxy_storage_bytes",
     "Bytes of entries by kind (proxied, hosted) and of blobs waiting out their grace "

@@ -3,7 +3,9 @@
 A blob is written to a temp file under ``{root}/tmp/`` (same filesystem), hashed as it
 is written, fsynced, then moved into place with ``os.replace``. A crash mid-write leaves
 only a temp file (reclaimed later); two writers of the same bytes publish the same name,
-so a duplicate store is harmless.
+so a duplicate store is harmless. A published file is stamped as verified (this process
+hashed it as it was written); one found corrupt later is moved aside to
+``{root}/quarantine/<sha256>`` (docs/architecture.md, "Blobs verified when read").
 
 ``BlobStore`` is the folder ``Storage`` (one volume every replica shares), and also the
 folder of the object store's local tier on each replica (``storage/local_tier.py``).
@@ -17,7 +19,6 @@ import errno
 import functools
 import hashlib
 import os
-import stat
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -25,6 +26,8 @@ from pathlib import Path
 from proxy.exceptions import StorageError, describe_os_error
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
+from proxy.storage.integrity import READ_CHUNK_BYTES, Corruption, Stamp, Stamps, stamp_of
+from proxy.storage.integrity import open_regular as open_regular  # where it was first
 from proxy.types import Digests
 from proxy.units import format_size, human_size
 
@@ -190,8 +193,11 @@ class BlobStore:
         self.root = root
         self.blobs_dir = root / "blobs"
         self.tmp_dir = root / "tmp"
+        self.quarantine_dir = root / "quarantine"
         self._blobs_prefix = f"{self.blobs_dir}/"
         self.description = f"folder {root}"
+        # The files this process knows good (this folder's; per process, bounded).
+        self.stamps = Stamps()
 
     @property
     def files(self) -> BlobStore:
@@ -277,15 +283,24 @@ class BlobStore:
         target = self.path(sha256)
         fd = temp.detach_fd()
 
-        def close_and_move() -> None:
-            if fd >= 0:
+        def close_and_move() -> Stamp:
+            # Stamped as the file we hashed as it was written (a rename keeps the inode
+            # and the mtime), so its first hit here is sent as is.
+            if fd < 0:
+                _move_into_place(temp.path, target)
+                return stamp_of(os.stat(target))
+            try:
+                stamp = stamp_of(os.fstat(fd))
+            finally:
                 os.close(fd)
             _move_into_place(temp.path, target)
+            return stamp
 
         try:
-            await run_blocking(close_and_move)
+            stamp = await run_blocking(close_and_move)
         except OSError as exc:
             raise storage_error(f"publishing {target}", "publish", exc) from exc
+        self.stamps.note(sha256, stamp)
         return sha256
 
     def temp_path(self) -> Path:
@@ -299,6 +314,40 @@ class BlobStore:
             await run_blocking(_move_into_place, temp, self.path(sha256))
         except OSError as exc:
             raise storage_error(f"publishing {self.path(sha256)}", "publish", exc) from exc
+
+    async def open_blob(self, sha256: str) -> FileStream:
+        """A published blob's file read from its first byte (the scrub's reads);
+        FileNotFoundError if there is none."""
+        try:
+            fd, stamp = await run_blocking(_open_stamped, self.path_str(sha256))
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # EIO, or not a regular file (a link, a FIFO)
+            raise storage_error(f"opening blob {sha256} to verify it", "read", exc) from exc
+        return FileStream(fd, stamp)
+
+    async def quarantine(self, found: Corruption) -> str:
+        """Move a blob file found corrupt aside, unless the file there is no longer the
+        one found so (a fetch published a verified copy since); what was done."""
+        try:
+            return await run_blocking(self.move_aside, found)
+        except OSError as exc:
+            error = storage_error(f"moving {found.sha256} aside", "quarantine", exc)
+            return f"its file could not be moved aside ({error})"
+
+    def move_aside(self, found: Corruption) -> str:
+        """``quarantine``'s work (blocking)."""
+        source = self.path(found.sha256)
+        try:
+            now = os.lstat(source)  # a link found at its name is moved, never its target
+        except FileNotFoundError:
+            return "its file was gone already"
+        if found.stamp is not None and now.st_ino != found.stamp.inode:
+            return "its file was replaced by a verified copy meanwhile (kept)"
+        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+        target = self.quarantine_dir / found.sha256
+        os.replace(source, target)
+        return f"its file moved to {target}"
 
     def delete_older(self, sha256s: Iterable[str], cutoff_s: float) -> tuple[set[str], set[str]]:
         """Delete the blobs whose file was last modified before ``cutoff_s`` (blocking:
@@ -363,6 +412,41 @@ class BlobStore:
                     yield entry.name, stat.st_size, stat.st_mtime
 
 
+class FileStream:
+    """A blob file read chunk by chunk in the I/O pool (``Storage.open_blob``)."""
+
+    def __init__(self, fd: int, stamp: Stamp) -> None:
+        self._fd = fd
+        self.size = stamp.size
+        self.stamp: Stamp | None = stamp
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        offset = 0
+        while True:
+            try:
+                data = await run_blocking(os.pread, self._fd, READ_CHUNK_BYTES, offset)
+            except OSError as exc:  # EIO: named and counted, as every storage fault
+                raise storage_error("reading a blob to verify it", "read", exc) from exc
+            if not data:
+                return
+            offset += len(data)
+            yield data
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _open_stamped(path: str) -> tuple[int, Stamp]:
+    fd = open_regular(path)
+    try:
+        return fd, stamp_of(os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _undo_open(path: Path, opening: asyncio.Future[int]) -> None:
     if opening.cancelled() or opening.exception() is not None:
         return
@@ -382,20 +466,6 @@ def storage_error(what: str, operation: str, exc: OSError) -> StorageError:
     code = errno.errorcode.get(exc.errno or 0, "other")
     metrics.STORAGE_ERRORS.labels(operation=operation, errno=code).inc()
     return error
-
-
-def open_regular(path: str) -> int:
-    """``path`` opened for reading, if it is a regular file of its own (blocking: run it
-    in the I/O pool): never through a symlink, and never blocking on a FIFO. Whoever can
-    write the folder must not make us read elsewhere, or hang."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def is_sha256(name: str) -> bool:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterable
 from proxy.config.settings import ObjectStorageSettings
 from proxy.exceptions import StorageError
 from proxy.storage.blobs import BlobStore, TempBlob, is_sha256
+from proxy.storage.integrity import Corruption
 from proxy.storage.local_tier import LocalTier
 from proxy.storage.s3 import Bucket, ObjectStream
 
@@ -108,6 +109,21 @@ class ObjectStorage:
     async def open_object(self, sha256: str) -> ObjectStream:
         """One GET of the blob's object; FileNotFoundError if there is none."""
         return await self.bucket.get(sha256)
+
+    async def open_blob(self, sha256: str) -> ObjectStream:
+        # The scrub checks the objects themselves: they are what every replica's copies
+        # come from (docs/architecture.md, "Blobs verified when read").
+        return await self.open_object(sha256)
+
+    async def quarantine(self, found: Corruption) -> str:
+        # Nothing in the bucket can be moved aside without a copy and a delete of the
+        # whole object; once no entry names it, the next fetch's upload replaces it, or
+        # the tombstone purge deletes it after jobs.evict_grace.
+        await self.tier.drop([found.sha256])
+        return (
+            "this replica's copy dropped; the object stays until the next fetch's upload "
+            "replaces it (or the tombstone purge deletes it)"
+        )
 
     async def delete(self, sha256s: Iterable[str], cutoff_s: float) -> tuple[set[str], set[str]]:
         names = sorted(set(sha256s))

@@ -47,6 +47,7 @@ from proxy.config.settings import ObjectStorageSettings
 from proxy.exceptions import StorageError, StorageUnavailable
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
+from proxy.storage.integrity import Stamp
 
 if TYPE_CHECKING:
     from types_aiobotocore_s3 import S3Client
@@ -106,6 +107,8 @@ class PendingUpload:
 
 class ObjectStream:
     """The body of one GET as it arrives; close it when done (also when not read)."""
+
+    stamp: Stamp | None = None  # an object is no file of ours (``Storage.open_blob``)
 
     def __init__(self, bucket: Bucket, key: str, body: Any, size: int) -> None:
         self._bucket = bucket

@@ -15,6 +15,21 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from proxy.config.settings import Settings
     from proxy.storage.blobs import BlobStore, TempBlob
+    from proxy.storage.integrity import Corruption, Stamp
+
+
+class BlobStream(Protocol):
+    """A stored blob read from its first byte, as the store holds it (a file here, an
+    object in the bucket). Close it when done."""
+
+    size: int  # as the store says (the file's size, the object's Content-Length)
+    stamp: Stamp | None  # the file's (None: an object)
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The bytes; ``StorageError`` if the store fails on the way."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class Storage(Protocol):
@@ -80,6 +95,17 @@ class Storage(Protocol):
 
     async def redirect(self, sha256: str, size: int) -> str | None:
         """A short-lived URL clients may fetch the blob from directly, or None."""
+        ...
+
+    async def open_blob(self, sha256: str) -> BlobStream:
+        """The blob as the store holds it, where every replica's copies come from (the
+        scrub's reads); FileNotFoundError if it has none."""
+        ...
+
+    async def quarantine(self, found: Corruption) -> str:
+        """A copy of the blob was found corrupt: move the file aside (a folder), drop this
+        replica's copy (object storage); what was done, for the log ("its file moved
+        to ...")."""
         ...
 
 

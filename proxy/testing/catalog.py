@@ -59,6 +59,7 @@ class _JobRun:
     holder: str
     outcome: str | None
     finished_at_ms: int | None = None
+    cursor: str | None = None  # where the passes have got to (the scrub's sha256)
 
 
 class MemoryCatalog:
@@ -260,6 +261,36 @@ class MemoryCatalog:
         for entry in expired:
             self._delete(entry)
         return len(expired)
+
+    # -- stored blobs ------------------------------------------------------------------------
+
+    def _blobs(self) -> dict[str, int]:
+        blobs: dict[str, int] = {}
+        for entry in self.entries.values():
+            if entry.sha256 is not None:
+                blobs[entry.sha256] = max(blobs.get(entry.sha256, 0), entry.size)
+        return blobs
+
+    async def stored_blobs(self, after: str, limit: int) -> list[tuple[str, int]]:
+        await self._enter("stored_blobs")
+        return sorted(item for item in self._blobs().items() if item[0] > after)[:limit]
+
+    async def stored_blob_totals(self) -> tuple[int, int]:
+        await self._enter("stored_blob_totals")
+        blobs = self._blobs()
+        return len(blobs), sum(blobs.values())
+
+    async def blob_entries(self, sha256: str, limit: int) -> list[tuple[str, str]]:
+        await self._enter("blob_entries")
+        named = [ident for ident, e in self.entries.items() if e.sha256 == sha256]
+        return sorted(named, key=lambda i: (i[0].encode(), i[1].encode()))[:limit]
+
+    async def delete_blob_entries(self, sha256: str) -> list[Removed]:
+        await self._enter("delete_blob_entries")
+        gone = [e for e in self.entries.values() if e.sha256 == sha256]
+        for entry in gone:
+            self._delete(entry)
+        return [Removed(e.repository, e.key, e.sha256, e.size) for e in gone]
 
     def _delete(self, entry: Entry) -> None:
         ident = (entry.repository, entry.key)
@@ -479,7 +510,9 @@ class MemoryCatalog:
         if run.started_at_ms > now - int(interval_s * 1000) and not died:
             return None
         previous = run.previous_started_at_ms if died else run.started_at_ms
-        self.job_history[name] = _JobRun(run.run_id + 1, now, previous, holder, "running")
+        self.job_history[name] = _JobRun(
+            run.run_id + 1, now, previous, holder, "running", cursor=run.cursor
+        )
         return run.run_id + 1
 
     async def give_back_job_run(self, name: str, run_id: int) -> None:
@@ -512,6 +545,17 @@ class MemoryCatalog:
             for name, run in sorted(self.job_history.items())
         ]
         return runs, self._now()
+
+    async def job_cursor(self, name: str) -> str | None:
+        await self._enter("job_cursor")
+        run = self.job_history.get(name)
+        return run.cursor if run is not None else None
+
+    async def save_job_cursor(self, name: str, cursor: str | None) -> None:
+        await self._enter("save_job_cursor")
+        run = self.job_history.get(name)
+        if run is not None:  # an UPDATE of the job's row, as in SQL
+            run.cursor = cursor
 
     # -- browsing and purging ----------------------------------------------------------------
 

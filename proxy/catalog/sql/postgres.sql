@@ -146,6 +146,28 @@ SELECT (extract(epoch FROM min(applied_at)) * 1000)::bigint AS at_ms FROM schema
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < $1
 
+-- name: stored_blobs
+-- ($1 after this sha256, $2 most blobs): the blobs entries name, in sha256 order (keyset
+-- pages over entries_by_sha256: the scrub's walk).
+SELECT sha256, max(size) AS size FROM entries
+WHERE sha256 > $1 GROUP BY sha256 ORDER BY sha256 LIMIT $2
+
+-- name: stored_blob_totals
+-- How many distinct blobs entries name, and their bytes (`proxy verify`'s progress).
+SELECT count(*) AS blobs, coalesce(sum(size), 0) AS bytes
+FROM (SELECT max(size) AS size FROM entries WHERE sha256 IS NOT NULL GROUP BY sha256) AS b
+
+-- name: blob_entries
+-- ($1 sha256, $2 most rows): the entries naming a blob, in byte order (as SQLite's).
+SELECT repository, key FROM entries WHERE sha256 = $1
+ORDER BY repository COLLATE "C", key COLLATE "C" LIMIT $2
+
+-- name: delete_blob_entries
+-- $1: a blob found corrupt (quarantined); every entry naming it goes, and the trigger
+-- tombstones it as for any deletion.
+DELETE FROM entries WHERE sha256 = $1
+RETURNING repository, key, sha256, size
+
 -- name: upsert_links
 -- $1: a JSON array of {"repository", "key", "url", "digests" (object), "size"}.
 INSERT INTO links (repository, key, url, digests, size, recorded_at_ms)
@@ -318,6 +340,13 @@ SELECT name, run_id,
                  = hashtext('proxy-job:' || job_runs.name)::bigint
        ) ELSE false END AS abandoned
 FROM job_runs ORDER BY name
+
+-- name: select_job_cursor
+SELECT cursor FROM job_runs WHERE name = $1
+
+-- name: save_job_cursor
+-- ($1 name, $2 cursor or NULL): where the running pass has got to.
+UPDATE job_runs SET cursor = $2 WHERE name = $1
 
 -- -- The operators' console and admin API (docs/architecture.md, "Operating: console,
 -- -- API and logs"). Keyset pages: each page starts after the last row of the one before.

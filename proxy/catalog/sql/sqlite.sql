@@ -134,6 +134,27 @@ SELECT min(applied_at_ms) AS at_ms FROM schema_migrations
 -- name: delete_expired_negatives
 DELETE FROM entries WHERE kind = 'negative' AND expires_at_ms < ?1
 
+-- name: stored_blobs
+-- (?1 after this sha256, ?2 most blobs): the blobs entries name, in sha256 order (keyset
+-- pages over entries_by_sha256: the scrub's walk).
+SELECT sha256, max(size) AS size FROM entries
+WHERE sha256 > ?1 GROUP BY sha256 ORDER BY sha256 LIMIT ?2
+
+-- name: stored_blob_totals
+-- How many distinct blobs entries name, and their bytes (`proxy verify`'s progress).
+SELECT count(*) AS blobs, coalesce(sum(size), 0) AS bytes
+FROM (SELECT max(size) AS size FROM entries WHERE sha256 IS NOT NULL GROUP BY sha256) AS b
+
+-- name: blob_entries
+-- (?1 sha256, ?2 most rows): the entries naming a blob.
+SELECT repository, key FROM entries WHERE sha256 = ?1 ORDER BY repository, key LIMIT ?2
+
+-- name: delete_blob_entries
+-- ?1: a blob found corrupt (quarantined); every entry naming it goes, and the trigger
+-- tombstones it as for any deletion.
+DELETE FROM entries WHERE sha256 = ?1
+RETURNING repository, key, sha256, size
+
 -- name: upsert_links
 -- ?1: a JSON array of {"repository", "key", "url", "digests" (object), "size"}.
 INSERT INTO links (repository, key, url, digests, size, recorded_at_ms)
@@ -269,6 +290,13 @@ UPDATE job_runs SET outcome = ?3, finished_at_ms = clock_ms() WHERE name = ?1 AN
 SELECT name, run_id, nullif(started_at_ms, 0) AS started_at_ms, finished_at_ms, outcome,
        holder, clock_ms() AS now_ms, NULL AS abandoned
 FROM job_runs ORDER BY name
+
+-- name: select_job_cursor
+SELECT cursor FROM job_runs WHERE name = ?1
+
+-- name: save_job_cursor
+-- (?1 name, ?2 cursor or NULL): where the running pass has got to.
+UPDATE job_runs SET cursor = ?2 WHERE name = ?1
 
 -- -- The operators' console and admin API (docs/architecture.md, "Operating: console,
 -- -- API and logs"). Keyset pages: each page starts after the last row of the one before.
