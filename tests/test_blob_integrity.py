@@ -537,3 +537,28 @@ def test_proxy_verify_draws_a_progress_line_on_a_terminal() -> None:
     report.checked("a" * 64, MiB)
     report.finish()
     assert quiet.getvalue() == ""  # off a terminal, only what is wrong is printed
+
+
+def test_a_corrupt_stored_index_page_is_never_parsed_and_is_fetched_again(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    from tests.conftest import pypi_config
+    from tests.upstream import ProjectFile
+
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"sdist")])
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    first = start_proxy(load(config, {}))
+    page = httpx.get(first.url + "/pypi/simple/alpha/", timeout=30)
+    assert page.status_code == 200 and "alpha-1.0.tar.gz" in page.text
+    with sqlite3.connect(tmp_path / "data" / "proxy.db") as db:
+        [(sha,)] = db.execute(
+            "SELECT sha256 FROM entries WHERE kind = 'metadata' AND sha256 IS NOT NULL"
+        ).fetchall()
+    stored = tmp_path / "data" / "blobs" / sha[:2] / sha[2:4] / sha
+    stored.write_bytes(stored.read_bytes().replace(b"alpha-1.0", b"alpha-6.6"))
+    before = counter("proxy_blobs_quarantined_total", reason="digest")
+    fresh = start_proxy(load(config, {}))  # it parses the stored page to render it
+    again = httpx.get(fresh.url + "/pypi/simple/alpha/", timeout=30)
+    assert again.status_code == 200, again.text
+    assert "alpha-1.0.tar.gz" in again.text and "alpha-6.6" not in again.text
+    assert counter("proxy_blobs_quarantined_total", reason="digest") == before + 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 from proxy.catalog import Entry
 from proxy.exceptions import ShuttingDown, StorageError
@@ -233,7 +234,17 @@ class TierBody:
     async def complete_path(self) -> str:
         path = self._local()
         if path is not None:
-            return path
+            try:
+                opened = await self.fills.files.open(
+                    path, self.sha256, self.size, True, self._drop_copy
+                )
+            except FileNotFoundError:
+                self._gone()
+            else:
+                if not isinstance(opened, Corruption):
+                    os.close(opened.fd)
+                    return path
+                await self._drop_copy(opened)
         fill = await self.fills.join(self.sha256, self.size)
         assert fill.transfer is not None
         await fill.transfer.result()  # verified and kept (or raises)

@@ -123,8 +123,8 @@ class BlobBody(Protocol):
         ...
 
     async def complete_path(self) -> str:
-        """A complete file of the blob on this host (object storage: once the local tier
-        has it)."""
+        """A complete, verified file of the blob on this host (object storage: once the
+        local tier has it)."""
         ...
 
 
@@ -214,6 +214,11 @@ class FileBody:
         return opened
 
     async def complete_path(self) -> str:
+        # Verified first: what reads it by its path (an index document's parser) must
+        # read what a client would get (docs/architecture.md, "Blobs verified when read").
+        opened = await self.open(whole_first=True)
+        assert isinstance(opened, OpenBlob)
+        os.close(opened.fd)
         return self.path
 
 
