@@ -229,15 +229,27 @@ class Dispatcher:
                 method in BODY_METHODS
                 and isinstance(response, responses.BodyResponse)
                 and response.status >= 400
+                and _expects_continue(scope)
             ):
-                # The body may be unread (e.g. a 413 or 401 after Expect: 100-continue):
-                # close the connection so it is never parsed as the next request.
+                # The body may never come (a 413 or 401 answered instead of 100
+                # Continue): close, so that what the client sends next is never parsed as
+                # the rest of this body. A client that sends its body without asking is
+                # kept: the parser skips what is left of the body (up to a bound,
+                # http.protocol), and the client reads our answer instead of a reset
+                # that closing under its unread bytes would send it.
                 response.headers.append((b"connection", b"close"))
             await response(scope, receive, send_counting)
         finally:
             method_label = method if method in KNOWN_METHODS else "other"
             metrics.REQUESTS.labels(repository, method_label, str(status_seen)).inc()
             metrics.REQUEST_DURATION.labels(repository).observe(time.perf_counter() - started)
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(
+        name == b"expect" and value.strip().lower() == b"100-continue"
+        for name, value in scope.get("headers", ())
+    )
 
 
 def _unknown(repository: str, state: Engine) -> NotFound:

@@ -11,6 +11,10 @@ and hostile clients").
 - A request head may be at most ``MAX_HEAD_BYTES``: past that the client gets 431 and
   is disconnected before more is buffered (the parser would otherwise keep a header
   line of any length in memory).
+- A request body still arriving after its answer was sent (an upload refused with a
+  401 or 413 before it was read) is skipped, so the client can finish sending and read
+  the answer, but at most ``MAX_SKIPPED_BODY_BYTES`` of it: past that the connection is
+  closed.
 
 It also offers responses a zero-copy path (``SocketFileSender``, in the request scope's
 extensions as ``SENDFILE_EXTENSION``): bytes of a file go from the page cache to the
@@ -31,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 SENDFILE_EXTENSION = "proxy.sendfile"
 HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 32 * 1024
+MAX_SKIPPED_BODY_BYTES = 64 * 1024 * 1024
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -40,6 +45,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _head_timer: asyncio.TimerHandle | None = None
     # A refusal for a pipelined head, held until the response being sent is complete.
     _pending_refusal: tuple[int, str] | None = None
+    _skipped_body_bytes = 0  # of this request's body, after its answer
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -58,8 +64,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._skipped_body_bytes = 0
         if not self._in_head:
             self._begin_head()
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete and not self.transport.is_closing():
+            self._skipped_body_bytes += len(body)
+            if self._skipped_body_bytes > MAX_SKIPPED_BODY_BYTES:
+                self.transport.close()
+        super().on_body(body)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
