@@ -404,7 +404,9 @@ def test_a_claim_won_after_the_holder_stored_it_finishes_the_followers_clients(
     results = asyncio.run(scenario())
     expected = hashlib.sha256(body).hexdigest()
     assert [(r.status, r.sha256, r.length) for r in results] == [(200, expected, len(body))] * 3
-    assert all(r.ttlb < 10 for r in results)
+    # The claim that won found the entry: no second download (and no clock: CI's loaded
+    # machine once took over 10 s on object storage, which a bound on time called a bug).
+    assert upstream.count(PATH) == 1
 
 
 @pytest.mark.parametrize("forgery", ["symlink", "fifo", "short length"])
