@@ -507,3 +507,33 @@ def test_a_switch_cancelled_by_shutdown_cuts_the_clients_it_would_have_continued
             await tasks.close(1)
 
     asyncio.run(scenario())
+
+
+def test_a_temp_file_being_written_is_never_stale_whatever_the_clock_says(
+    tmp_path: Path,
+) -> None:
+    """Reclaim judges temp files by their mtime, which the file system's clock stamps;
+    a clock ahead of it (a ManualClock moved on, a replica whose clock skews from the
+    shared volume's) made a download's own temp file look a day old, and reclaim
+    deleted it under the download (a 503 'storage unavailable' in CI). Ours are kept;
+    a leftover of the same age is not; a finished one is judged by age again."""
+    blobs = BlobStore(tmp_path / "shared")
+    blobs.prepare()
+
+    async def scenario() -> None:
+        writing = await blobs.new_temp()
+        await writing.write(b"x" * 1000)
+        await writing.flush()
+        leftover = blobs.tmp_dir / "crashed.part"
+        leftover.write_bytes(b"y")
+        far_ahead = time.time() + 3 * 86400
+        assert blobs.remove_stale_temps(far_ahead) == 1
+        assert writing.path.exists() and not leftover.exists()
+        await writing.flush()
+        published = await blobs.publish(writing)
+        assert blobs.path(published).exists() and not blobs.live_temps
+        discarded = await blobs.new_temp()
+        await discarded.discard()
+        assert not blobs.live_temps
+
+    asyncio.run(scenario())

@@ -51,9 +51,15 @@ class TempBlob:
     ``written`` counts the bytes already in the file; ``flush`` waits for the rest.
     """
 
-    def __init__(self, path: Path, fd: int, digests: Iterable[str]) -> None:
-        """``fd``: ``path`` opened for reading and writing (``BlobStore.new_temp``)."""
+    def __init__(
+        self, path: Path, fd: int, digests: Iterable[str], live: set[str] | None = None
+    ) -> None:
+        """``fd``: ``path`` opened for reading and writing (``BlobStore.new_temp``);
+        ``live``: the store's names of the temp files being written, which this one
+        leaves when it is published or discarded."""
         self.path = path
+        self._live = live if live is not None else set()
+        self._live.add(path.name)
         self.size = 0  # bytes handed to write()
         self.written = 0  # bytes in the file
         self._fd = fd
@@ -168,7 +174,12 @@ class TempBlob:
             os.close(self._fd)
             self._fd = -1
 
+    def finished(self) -> None:
+        """No longer being written (published or discarded): reclaim may judge it by age."""
+        self._live.discard(self.path.name)
+
     async def discard(self) -> None:
+        self.finished()
         self.on_progress = None
         self._queued, self._queued_bytes = [], 0  # nothing more is written
         if self._pending is not None:
@@ -198,6 +209,9 @@ class BlobStore:
         self.description = f"folder {root}"
         # The files this process knows good (this folder's; per process, bounded).
         self.stamps = Stamps()
+        # The names of the temp files this process is writing: never stale, whatever
+        # their mtime says (the file system's clock, not ours; "Time").
+        self.live_temps: set[str] = set()
 
     @property
     def files(self) -> BlobStore:
@@ -274,7 +288,7 @@ class BlobStore:
             raise
         except OSError as exc:
             raise storage_error(f"creating a temp file in {self.tmp_dir}", "create", exc) from exc
-        return TempBlob(path, fd, digests)
+        return TempBlob(path, fd, digests, self.live_temps)
 
     async def publish(self, temp: TempBlob) -> str:
         """fsync the temp file and move it to its content address; returns the sha256."""
@@ -300,20 +314,10 @@ class BlobStore:
             stamp = await run_blocking(close_and_move)
         except OSError as exc:
             raise storage_error(f"publishing {target}", "publish", exc) from exc
+        finally:
+            temp.finished()
         self.stamps.note(sha256, stamp)
         return sha256
-
-    def temp_path(self) -> Path:
-        """A new temp file name (not created) for a blob written elsewhere: by a child
-        process rendering an index document (``cache/documents.py``)."""
-        return self.tmp_dir / f"{uuid.uuid4().hex}{TEMP_SUFFIX}"
-
-    async def adopt(self, temp: Path, sha256: str) -> None:
-        """Move a temp file that its writer already fsynced to its content address."""
-        try:
-            await run_blocking(_move_into_place, temp, self.path(sha256))
-        except OSError as exc:
-            raise storage_error(f"publishing {self.path(sha256)}", "publish", exc) from exc
 
     async def open_blob(self, sha256: str) -> FileStream:
         """A published blob's file read from its first byte (the scrub's reads);
@@ -381,13 +385,17 @@ class BlobStore:
         return stat.f_bavail * stat.f_frsize
 
     def remove_stale_temps(self, cutoff_s: float) -> int:
-        """Delete temp files last modified before ``cutoff_s`` (Unix time); how many."""
+        """Delete temp files last modified before ``cutoff_s`` (Unix time), but for the
+        ones this process is writing; how many."""
         removed = 0
         try:
             entries = list(os.scandir(self.tmp_dir))
         except FileNotFoundError:
             return 0
+        live = set(self.live_temps)
         for entry in entries:
+            if entry.name in live:
+                continue
             try:
                 if entry.is_file() and entry.stat().st_mtime < cutoff_s:
                     os.unlink(entry.path)
