@@ -3,11 +3,14 @@ one line per upstream fetch with credentials stripped, and nothing from httpx.""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import pypi_config, write_config
 from tests.processes import ProxyProcess
@@ -113,3 +116,66 @@ def test_a_clients_text_cannot_forge_log_lines(tmp_path: Path, upstream: FakeUps
     assert "user=evil\\nINFO proxy.admin [1] purged package" in failed
     assert "\\r\\x1b[2K" in failed
     assert not any(line.startswith("INFO proxy.admin") for line in log.splitlines())
+
+
+def test_access_lines_are_written_in_batches_and_before_any_later_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Access lines are formatted as the handler would and written in batches (at most
+    ACCESS_FLUSH_S late, under a pipe's atomic size); any other line is written after
+    the access lines that came before it."""
+    import io
+    import logging
+    import sys
+
+    from proxy.runtime import logs
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        logs.configure_logging("info", "text", access_log=True)
+        lines = logs.ACCESS
+        assert lines is not None
+
+        async def scenario() -> None:
+            lines.write("10.0.0.1", "GET", "/pypi/a", 200, 11, 0.25, "hit")
+            assert stream.getvalue() == ""  # waiting for more
+            await asyncio.sleep(logs.ACCESS_FLUSH_S * 3)
+            assert stream.getvalue().count("\n") == 1
+            lines.write("10.0.0.1", "GET", "/pypi/b", 200, 11, 0.25, "hit")
+            logging.getLogger("proxy.fetch").warning("after b")
+            for i in range(200):  # over a batch: written without waiting
+                lines.write("10.0.0.1", "GET", f"/pypi/{i}", 200, 11, 0.25, "hit")
+
+        asyncio.run(scenario())
+        text = stream.getvalue().splitlines()
+        assert text[0].endswith(
+            f' INFO proxy.access [{os.getpid()}] 10.0.0.1 "GET /pypi/a" 200 11 0.2ms hit'
+        )
+        assert '"GET /pypi/b"' in text[1] and text[2].endswith("after b")
+        assert len(text) >= 3 + 150
+        stamp = text[0].split(" INFO ")[0]
+        assert time.strptime(stamp.split(",")[0], "%Y-%m-%d %H:%M:%S")
+        logs.configure_logging("info", "json", access_log=True)
+        json_lines = logs.ACCESS
+        assert json_lines is not None
+        json_lines.write("10.0.0.1", "HEAD", "/pypi/c", 304, 0, 1.5, "hit")
+        json_lines.flush()
+        record = json.loads(stream.getvalue().splitlines()[-1])
+        assert record["logger"] == "proxy.access" and record["level"] == "info"
+        assert (record["method"], record["path"], record["status"], record["cache"]) == (
+            "HEAD",
+            "/pypi/c",
+            304,
+            "hit",
+        )
+        assert record["message"] == '10.0.0.1 "HEAD /pypi/c" 304 0 1.5ms hit'
+    finally:
+        logs.ACCESS = None
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)

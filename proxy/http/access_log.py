@@ -17,14 +17,13 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 
 from proxy.redaction import redact_url
-from proxy.runtime.logs import ACCESS_LOGGER
+from proxy.runtime import logs
+from proxy.runtime.logs import ACCESS_LINE, ACCESS_LOGGER
 from proxy.types import Message, Receive, Scope, Send
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger(ACCESS_LOGGER)
-
-ACCESS_LINE = '%s "%s %s" %d %d %.1fms %s'  # client, method, path, status, bytes, ms, cache
 
 
 class Exchange:
@@ -77,16 +76,28 @@ def write(
         path = f"{path}?{query.decode('latin-1')}"
     if "=" in path or "@" in path:
         path = redact_url(path)  # a relative URL: its query's secrets are masked
-    log.info(
-        ACCESS_LINE,
-        client,
-        method,
-        path,
-        exchange.status,
-        exchange.sent,
-        seconds * 1000,
-        exchange.cache,
-    )
+    _line(client, method, path, exchange.status, exchange.sent, seconds, exchange.cache)
+
+
+def _line(
+    client: str, method: str, path: str, status: int, sent: int, seconds: float, cache: str
+) -> None:
+    lines = logs.ACCESS
+    if lines is not None:
+        lines.write(client, method, path, status, sent, seconds * 1000, cache)
+    else:  # logging set up by someone else (tests, an embedding program)
+        log.info(ACCESS_LINE, client, method, path, status, sent, seconds * 1000, cache)
+
+
+def write_target(
+    client: str, method: str, target: bytes, status: int, sent: int, seconds: float, cache: str
+) -> None:
+    """The line of a request the hit lane answered (``http/lane.py``): ``target`` is
+    the path and query as sent, which the full path answered before (so a valid one)."""
+    path = target.decode("latin-1")
+    if "=" in path or "@" in path:
+        path = redact_url(path)
+    _line(client, method, path, status, sent, seconds, cache)
 
 
 class AccessLogMiddleware:
