@@ -431,10 +431,10 @@ async def _gc(settings: Settings) -> int:
 async def _verify(settings: Settings, dry_run: bool) -> int:
     import logging
 
-    from proxy.cache.index import EntryIndex
     from proxy.cache.quarantine import Quarantine
     from proxy.catalog import open_catalog
     from proxy.exceptions import CatalogError, StorageError
+    from proxy.fetch.index import EntryIndex
     from proxy.http.bodies import HotBlobs, MarkCounts
     from proxy.jobs.scrub import Scrub, VerifyReport
     from proxy.runtime.blocking import install_io_executor

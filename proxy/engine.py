@@ -24,7 +24,6 @@ from proxy import formats
 from proxy.cache import Cache
 from proxy.cache.documents import Documents
 from proxy.cache.hosted import CountedUploads, HostedView
-from proxy.cache.index import AccessLog, EntryIndex
 from proxy.cache.proxied import ProxiedView
 from proxy.cache.quarantine import Quarantine
 from proxy.catalog import Catalog, open_catalog
@@ -41,11 +40,13 @@ from proxy.contract import (
 from proxy.exceptions import CatalogError, InvalidPlugin, ProxyError
 from proxy.fetch.fetcher import Fetcher
 from proxy.fetch.fill import TierFills
+from proxy.fetch.index import AccessLog, EntryIndex
 from proxy.fetch.leases import LeaseCoordinator, make_holder_id
 from proxy.fetch.relay import RelayServer
 from proxy.fetch.relayed import RelayClient
 from proxy.fleet import Counted, Heartbeat
 from proxy.http.bodies import BlobFiles, HotBlobs, MarkCounts
+from proxy.http.lane import HitLane
 from proxy.http.responses import FormatResponses
 from proxy.jobs import Job, Scheduler, standard_jobs
 from proxy.jobs.packages import PackageBackfill
@@ -99,6 +100,8 @@ class Engine:
     # whose releases it judges.
     policies: Policies = field(default_factory=lambda: Policies(PolicySettings(), {}))
     gates: dict[str, ReleaseGate] = field(default_factory=dict)
+    # Fresh hits' answers, sent by the HTTP protocol without the app (http/lane.py).
+    lane: HitLane | None = None
     _stopping: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def start_background(self, scheduler: bool = True) -> None:
@@ -185,6 +188,8 @@ class Engine:
         every decision made under the old one is made again when next needed
         (docs/architecture.md, "Release policy"). Nothing else of ``settings`` is used."""
         self.policies.replace(settings.policy, cooldowns(settings))
+        if self.lane is not None:
+            self.lane.clear()  # its answers were judged under the old policy
 
     def stop(self) -> asyncio.Future[None]:
         """Cancel every fetch and job, then hand back every lease (idempotent)."""
@@ -317,6 +322,7 @@ async def _engine(
                 started_at_ms=clock.now_ms(),
                 policies=policies,
                 gates=built.gates,
+                lane=HitLane(index, clock),
             )
             try:
                 yield engine

@@ -23,7 +23,7 @@ from proxy.catalog import Catalog, Replica
 from proxy.exceptions import CatalogError
 
 if TYPE_CHECKING:
-    from proxy.cache.index import EntryIndex
+    from proxy.fetch.index import EntryIndex
 
 log = logging.getLogger("proxy.fleet")
 

@@ -16,6 +16,7 @@ from proxy.clock import SYSTEM_CLOCK, Clock, ManualClock
 from proxy.config.load import load
 from proxy.config.settings import Settings
 from proxy.http.app import create_app
+from proxy.http.protocol import GuardedHttpToolsProtocol
 from proxy.testing import MemoryCatalog
 from tests.maven_repo import MissingMavenRepo, copy_with_checksums
 from tests.pg import PostgresServer, create_database, drop_database
@@ -91,7 +92,7 @@ def start_proxy() -> Iterator[ProxyFactory]:
 
     def start(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> ServerThread:
         app = create_app(settings, clock)
-        server = ServerThread(app, loop="asyncio", http="httptools").start()
+        server = ServerThread(app, loop="asyncio", http=GuardedHttpToolsProtocol).start()
         started.append(server)
         return server
 

@@ -501,3 +501,30 @@ def test_statements_live_only_in_the_sql_files() -> None:
                 )
                 if re.match(statement, text, re.DOTALL):
                     assert allowed.search(text), f"{path.name}: SQL outside sql/: {text[:60]}"
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
+    """Any module may be the first of the package a process imports (a spawned worker
+    unpickles its target by module name): one that finds another half-initialized
+    through an import cycle fails there (the hit lane's protocol once did, killing the
+    page parser's child processes)."""
+    modules = sorted(package_graph())
+    code = (
+        "import importlib, sys, traceback\n"
+        "from prometheus_client import REGISTRY\n"
+        f"failed = []\nfor name in {modules!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'proxy' or m.startswith('proxy.')]:\n"
+        "        del sys.modules[loaded]\n"
+        # proxy.runtime.metrics registers its metrics again as it is imported again
+        "    for collector in list(REGISTRY._collector_to_names):\n"
+        "        REGISTRY.unregister(collector)\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception:\n"
+        "        failed.append(name + ': ' + traceback.format_exc().splitlines()[-1])\n"
+        "print('\\n'.join(failed))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert result.stdout.strip() == "", result.stdout

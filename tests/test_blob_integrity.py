@@ -392,10 +392,10 @@ def three_blobs(store: Store, upstream: FakeUpstream, proxy: ServerThread) -> li
 def test_the_scrub_paced_finds_and_quarantines_a_corrupt_blob_and_resumes(
     store: Store, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from proxy.cache.index import EntryIndex
     from proxy.cache.quarantine import Quarantine
     from proxy.catalog import open_catalog
     from proxy.config.load import SCRUB_RATE_MIN
+    from proxy.fetch.index import EntryIndex
     from proxy.http.bodies import HotBlobs, MarkCounts
     from proxy.jobs.scrub import JOB, Scrub
     from proxy.runtime.tasks import TaskSupervisor

@@ -49,9 +49,9 @@ class FlakyCatalog(SqliteCatalog):
 async def test_a_won_lease_is_released_when_the_fetch_fails_before_the_upstream(
     tmp_path: Path,
 ) -> None:
-    from proxy.cache.index import EntryIndex
     from proxy.contract import FetchSpec, OriginContext
     from proxy.fetch.fetcher import Fetcher, Miss
+    from proxy.fetch.index import EntryIndex
     from proxy.storage.blobs import BlobStore
     from proxy.types import Kind
 

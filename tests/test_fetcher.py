@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cache.index import EntryIndex
 from proxy.cache.proxied import CatalogLinks
 from proxy.catalog import Entry
 from proxy.clock import ManualClock
@@ -30,6 +29,7 @@ from proxy.contract import (
 )
 from proxy.exceptions import DigestMismatch, RetryLater, UpstreamUnavailable
 from proxy.fetch.fetcher import Fetcher, Miss, Missing, Outcome, Stale, Stored, Streaming
+from proxy.fetch.index import EntryIndex
 from proxy.fetch.leases import LeaseCoordinator, lease_key
 from proxy.runtime import metrics
 from proxy.runtime.tasks import TaskSupervisor

@@ -361,9 +361,12 @@ def test_hostile_sboms_are_clean_errors() -> None:
 
 
 @pytest.mark.parametrize("tty", [True, False])
-def test_progress_escapes_labels_a_terminal_should_not_get(tty: bool) -> None:
+def test_progress_escapes_labels_a_terminal_should_not_get(
+    tty: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A purl from an SBOM is anything: a lone surrogate cannot be written to a UTF-8
     # stream at all, and escape sequences would rewrite the operator's terminal.
+    monkeypatch.setenv("COLUMNS", "200")  # the bar fits the terminal: wide enough here
     raw = io.BytesIO()
     out = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
     progress = MirrorProgress(out, tty)

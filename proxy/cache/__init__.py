@@ -15,13 +15,13 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from proxy.cache.index import AccessLog, EntryIndex
 from proxy.cache.quarantine import Quarantine
 from proxy.catalog import Catalog, Entry, Removed, StorageUsage
 from proxy.clock import Clock
 from proxy.contract import FetchSpec, Request, Response
 from proxy.exceptions import CatalogError
 from proxy.fetch.fetcher import Fetcher, under_current_ttl
+from proxy.fetch.index import AccessLog, EntryIndex
 from proxy.http import responses
 from proxy.http.bodies import BlobBody, BlobFiles, FileBody, HotBlobs, MarkCounts
 from proxy.runtime import metrics

@@ -168,7 +168,7 @@ class Judged:
     identity: str
     until_ms: int | None = None
     generation: int = 0
-    count: Callable[[], None] | None = None
+    count: Callable[[int], None] | None = None  # given how many requests
 
 
 class Rendering:

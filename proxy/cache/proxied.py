@@ -32,7 +32,7 @@ from proxy.contract import (
 )
 from proxy.exceptions import NotFound, RetryLater, StorageError, UpstreamError
 from proxy.fetch.fetcher import Inline, Miss, Missing, Outcome, Stale, Stored, Streaming
-from proxy.http import responses
+from proxy.http import lane, responses
 from proxy.http.access_log import note_outcome
 from proxy.http.bodies import MARK, FileBody
 from proxy.policy.gate import ReleaseGate
@@ -128,17 +128,33 @@ class ProxiedView:
             metrics.NEGATIVE_HITS.labels(repository=self.name).inc()
             note_outcome("negative")
             return Missing(f"{spec.key} not found upstream (cached)")
-        metrics.CACHE_HITS.labels(self.name, self.format, entry.kind.value).inc()
-        self.hits += 1
+        hits = metrics.CACHE_HITS.labels(self.name, self.format, entry.kind.value)
+        hits.inc()
+        self.count_hits(1)
         note_outcome("hit")
         self.cache.access.record(self.name, spec.key)
+        # What every later hit answered by the hit lane does too (http/lane.py).
+        lane.note_hit(
+            self.cache.index.get(self.name, spec.key),
+            entry,
+            hits.inc,
+            self.count_hits,
+            functools.partial(self._accessed, spec.key),
+        )
         return Stored(entry)
+
+    def count_hits(self, n: int) -> None:
+        self.hits += n
+
+    def _accessed(self, key: str, _hits: int) -> None:
+        self.cache.access.record(self.name, key)
 
     async def _miss(self, spec: FetchSpec, entry: Entry | None) -> Outcome:
         """Fetch a key with no fresh entry (``entry``: the expired one, if any)."""
         metrics.CACHE_MISSES.labels(self.name, self.format, spec.kind.value).inc()
         self.misses += 1
         note_outcome("miss")
+        lane.spoil()
         stale = entry if entry is not None and entry.kind is Kind.METADATA else None
         return await self._fetch(spec, stale)
 
@@ -212,6 +228,8 @@ class ProxiedView:
     ) -> Response:
         # A body naming the proxy gets the URL this client reaches us at, never stored.
         base_url = request.base_url if spec.base_url_marks else None
+        if base_url is not None or not isinstance(outcome, Stored):
+            lane.spoil()  # the client's own URL in it, or no stored entry
         if isinstance(outcome, Stored):
             return await self.cache.render_entry(outcome.entry, request, extra, base_url)
         if isinstance(outcome, Stale):
@@ -314,7 +332,11 @@ class ProxiedView:
         copy = await self._copy(spec, (await self._outcome(spec))[0])
         rendering, judged, copy = await self._rendered(spec, copy, representation)
         if judged.count is not None:
-            judged.count()
+            judged.count(1)
+            lane.note_each_hit(judged.count)
+        lane.note_until(judged.until_ms)
+        if copy.entry is None or copy.stale or rendering.marks:
+            lane.spoil()
         for attempt in (1, 2):
             try:
                 headers = extra

@@ -21,9 +21,9 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from proxy.cache.index import EntryIndex
 from proxy.catalog import Catalog, Removed
 from proxy.exceptions import CatalogError
+from proxy.fetch.index import EntryIndex
 from proxy.http.bodies import HotBlobs, MarkCounts
 from proxy.runtime import metrics
 from proxy.runtime.tasks import TaskSupervisor

@@ -19,7 +19,6 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from proxy.cache.index import EntryIndex
 from proxy.catalog import Catalog, Entry, StreamInfo
 from proxy.clock import Clock
 from proxy.config.settings import DEFAULT_MAX_FILE_SIZE
@@ -40,6 +39,7 @@ from proxy.fetch.content import HEAD_BYTES as CONTENT_HEAD_BYTES
 from proxy.fetch.content import head_problem
 from proxy.fetch.content import problem as content_problem
 from proxy.fetch.download import Download
+from proxy.fetch.index import EntryIndex
 from proxy.fetch.leases import HeldLease, LeaseCoordinator, Verdict
 from proxy.fetch.relay import RelayServer
 from proxy.fetch.relayed import RelayClient

@@ -33,6 +33,7 @@ from proxy.engine import Engine, Seams, open_engine
 from proxy.exceptions import CatalogError, ConfigError, NotConfigured, NotFound
 from proxy.http import errors, responses
 from proxy.http.access_log import AccessLogMiddleware
+from proxy.http.lane import TICKET, LaneTicket
 from proxy.http.paths import check_headers, request_headers, split_path
 from proxy.redaction import redact
 from proxy.runtime import metrics
@@ -141,10 +142,16 @@ def create_app(
                 ", ".join(f"/{r.name}/ ({r.format})" for r in settings.repositories),
             )
             try:
-                yield {"proxy": engine, "admin": AdminState.of(engine, settings)}
+                yield {
+                    "proxy": engine,
+                    "admin": AdminState.of(engine, settings),
+                    "lane": engine.lane,  # the protocol answers from it (http/lane.py)
+                }
             finally:
                 reload.detach()
                 shutdown.detach()
+                if engine.lane is not None:
+                    engine.lane.flush()  # its last hits' counts and access times
 
     return Starlette(
         routes=matching_any_character(
@@ -219,7 +226,14 @@ class Dispatcher:
                         public_url=state.settings.public_url,
                         client=(scope.get("client") or ("", 0))[0],
                     )
+                    ticket = None
+                    if method == "GET" and state.lane is not None:
+                        ticket = LaneTicket()
+                        TICKET.set(ticket)  # this request's task has a context of its own
                     response = await adapter.handle(request)
+
+                    if ticket is not None and isinstance(response, responses.BodyResponse):
+                        _offer(state, scope, response, ticket)
             except Exception as exc:
                 accept = next((v for k, v in scope["headers"] if k == b"accept"), b"")
                 response = errors.answer(
@@ -243,6 +257,21 @@ class Dispatcher:
             method_label = method if method in KNOWN_METHODS else "other"
             metrics.REQUESTS.labels(repository, method_label, str(status_seen)).inc()
             metrics.REQUEST_DURATION.labels(repository).observe(time.perf_counter() - started)
+
+
+def _offer(
+    state: Engine, scope: Scope, response: responses.BodyResponse, ticket: LaneTicket
+) -> None:
+    """File a GET's answer in the hit lane (``http/lane.py``), keyed by the request
+    target exactly as the protocol reads it."""
+    assert state.lane is not None
+    target = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string", b"")
+    if query:
+        target = b"%s?%s" % (target, query)
+    state.lane.offer(
+        target, scope["headers"], "GET", response.status, response.headers, response.body, ticket
+    )
 
 
 def _expects_continue(scope: Scope) -> bool:
@@ -309,5 +338,8 @@ async def readyz(request: StarletteRequest) -> Response:
 
 
 async def metrics_endpoint(request: StarletteRequest) -> Response:
+    lane = request.state.proxy.lane
+    if lane is not None:
+        lane.flush()  # its hits' counts, added every second, are current when read
     body, content_type = metrics.render()
     return Response(body, media_type=content_type)

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 SENDFILE_EXTENSION = "proxy.sendfile"
@@ -37,12 +39,22 @@ HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 32 * 1024
 MAX_SKIPPED_BODY_BYTES = 64 * 1024 * 1024
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+# A connection whose answers are not being read (this much is waiting in the transport)
+# is answered by the full path, whose writes wait for the client, not the hit lane.
+LANE_WRITE_BUFFER_MAX = 256 * 1024
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _in_head = True
     _head_bytes = 0
-    _head_timer: asyncio.TimerHandle | None = None
+    # When this connection's head must have arrived, or (``_idle``) when it is closed
+    # unless a request begins (after a hit lane answer: uvicorn's keep-alive timeout).
+    # One timer per connection watches it, moved only when the deadline comes earlier
+    # than it is set for: a busy keep-alive connection costs no timer per request.
+    _deadline: float | None = None
+    _idle = False
+    _watch: asyncio.TimerHandle | None = None
+    _watch_at = 0.0
     # A refusal for a pipelined head, held until the response being sent is complete.
     _pending_refusal: tuple[int, str] | None = None
     _skipped_body_bytes = 0  # of this request's body, after its answer
@@ -52,7 +64,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._begin_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
+        self._deadline = None
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -63,10 +78,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse(431, f"the request head is over {MAX_HEAD_BYTES} bytes")
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's, but for the request's scope, which only the app needs: it is made
+        # in on_headers_complete for a request the hit lane does not answer.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
         self._skipped_body_bytes = 0
         if not self._in_head:
             self._begin_head()
+
+    def _new_scope(self) -> Any:
+        """The request's scope as uvicorn's on_message_begin makes it."""
+        return {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
 
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
@@ -78,7 +111,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._cancel_head_timer()
+        self._deadline = None
+        if self._answered_by_lane():
+            return
+        self.scope = self._new_scope()
         super().on_headers_complete()
         # The app's task has been created, not run yet: it finds the sender in its scope.
         if self.cycle is None or self.cycle.scope is not self.scope:
@@ -88,15 +124,66 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             extensions: dict[str, object] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
             extensions[SENDFILE_EXTENSION] = sender
 
+    def _answered_by_lane(self) -> bool:
+        """Answer the request whose head just arrived from the hit lane, if it has its
+        answer and nothing is being sent on this connection (``http/lane.py``). The
+        request then never reaches the app: no cycle, no task."""
+        lane = self.app_state.get("lane")
+        cycle = self.cycle
+        if lane is None or (cycle is not None and not cycle.response_complete):
+            return False
+        parser = self.parser
+        method = parser.get_method()
+        if (
+            method not in (b"GET", b"HEAD")
+            or parser.get_http_version() != "1.1"
+            or not parser.should_keep_alive()
+            or self.transport.get_write_buffer_size() > LANE_WRITE_BUFFER_MAX
+        ):
+            return False
+        transport = self.transport
+        if not lane.serve(
+            transport.write,
+            method,
+            self.url,
+            self.headers,
+            self.server_state.default_headers,
+            self._client_address,
+        ):
+            return False
+        self.cycle = _ANSWERED
+        # What uvicorn does when a response is complete (on_response_complete); its
+        # keep-alive timeout is watched by our deadline.
+        self.server_state.total_requests += 1
+        if not transport.is_closing():
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            self._set_deadline(self.timeout_keep_alive, idle=True)
+        return True
+
+    def _client_address(self) -> str:
+        """The client as the access log names it: the peer, or the address a trusted
+        proxy forwarded (as uvicorn's ProxyHeadersMiddleware reads it for the app)."""
+        host = self.client[0] if self.client else "-"
+        app = self.app
+        if isinstance(app, ProxyHeadersMiddleware) and host in app.trusted_hosts:
+            forwarded = [v for n, v in self.headers if n == b"x-forwarded-for"]
+            if forwarded:
+                found, _port = app.trusted_hosts.get_trusted_client_address(
+                    b", ".join(forwarded).decode("latin-1")
+                )
+                host = found or host
+        return host
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self.transport.is_closing():
             return
         if self._pending_refusal is not None:
             self._refuse(*self._pending_refusal)
-        elif self._in_head and self._head_timer is None:
+        elif self._in_head and self._deadline is None:
             # A pipelined head's clock starts now that our answer before it is sent.
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+            self._set_deadline(HEAD_TIMEOUT_S, idle=False)
 
     def _responding(self) -> bool:
         """Is a response still being sent on this connection?"""
@@ -106,17 +193,33 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _begin_head(self) -> None:
         self._in_head = True
         self._head_bytes = 0
-        self._cancel_head_timer()
+        self._deadline = None
         if not self._responding():  # else on_response_complete starts it
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+            self._set_deadline(HEAD_TIMEOUT_S, idle=False)
 
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def _set_deadline(self, seconds: float, idle: bool) -> None:
+        when = self.loop.time() + seconds
+        self._deadline, self._idle = when, idle
+        if self._watch is None or self._watch_at > when:
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch, self._watch_at = self.loop.call_at(when, self._watched), when
+
+    def _watched(self) -> None:
+        self._watch = None
+        deadline = self._deadline
+        if deadline is None or self.transport.is_closing():
+            return
+        if self.loop.time() < deadline:  # moved on since: watch the new one
+            self._watch, self._watch_at = self.loop.call_at(deadline, self._watched), deadline
+            return
+        self._deadline = None
+        if self._idle:
+            self.transport.close()  # uvicorn's keep-alive timeout
+        else:
+            self._head_timed_out()
 
     def _head_timed_out(self) -> None:
-        self._head_timer = None
         if not self._in_head or self.transport.is_closing():
             return
         if self._head_bytes == 0:
@@ -125,7 +228,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(408, f"the request head did not arrive within {HEAD_TIMEOUT_S:.0f} s")
 
     def _refuse(self, status: int, message: str) -> None:
-        self._cancel_head_timer()
+        self._deadline = None
         if self._responding():
             # Never inside the body being sent: after it, and read nothing more meanwhile.
             self._pending_refusal = (status, message)
@@ -138,6 +241,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             % (status, _REASONS[status], len(body), body)
         )
         self.transport.close()
+
+
+class _Answered:
+    """The cycle of a request the hit lane answered: complete from the start (what
+    uvicorn's parser callbacks and shutdown look at)."""
+
+    response_complete = True
+    disconnected = False
+    keep_alive = True
+
+    class message_event:
+        @staticmethod
+        def set() -> None:
+            pass
+
+
+_ANSWERED: Any = _Answered()
 
 
 class SocketFileSender:

@@ -34,6 +34,7 @@ from proxy.contract import (
     Withheld,
 )
 from proxy.exceptions import FetchError, NotFound, ReleaseWithheld
+from proxy.http import lane
 from proxy.policy import explain
 from proxy.policy.decisions import Action, Decision, Policy, PublishTime
 from proxy.policy.rules import PackageId, package_id
@@ -115,7 +116,9 @@ class ReleaseGate:
         if version is None or version.version is None:
             return  # no release of one version: an index document, a root page
         decision = await self.decision(version, policy)
-        self.count(decision)
+        counter = self._counter(decision)
+        counter.inc()
+        lane.note_each_hit(counter.inc)  # every hit the lane answers counts it too
         if decision.allowed or policy.report_only:
             return
         purl = self.purl(version.package)
@@ -290,9 +293,9 @@ class ReleaseGate:
         until_ms = min(ends) if ends else None
         counted = [self._counter(d) for d in decisions if not d.allowed]
 
-        def count() -> None:
+        def count(n: int) -> None:
             for counter in counted:
-                counter.inc()
+                counter.inc(n)
 
         if policy.report_only:
             return Judged(View(), "", until_ms, generation, count)

@@ -8,6 +8,7 @@ aggregates the per-process files (see ``render``).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -295,3 +296,59 @@ def render() -> tuple[bytes, str]:
 def mark_process_dead(pid: int) -> None:
     if multiprocess_dir():
         _multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+class Batched:
+    """Counts and observations of one request metric set, kept as plain numbers and
+    added to Prometheus's values in one go (``flush``): the hit lane answers tens of
+    thousands of requests a second, and each ``inc``/``observe`` takes a lock
+    (``http/lane.py``). ``observe`` sorts into the histogram's own buckets, and
+    ``flush`` adds each bucket's count as ``Histogram.observe`` would one by one (its
+    children's ``_sum``, ``_buckets`` and ``_upper_bounds``: prometheus_client's
+    layout, pinned in requirements.lock and checked by tests/test_hit_lane.py)."""
+
+    __slots__ = (
+        "_bounds",
+        "_buckets",
+        "_bytes",
+        "_counter",
+        "_histogram",
+        "_sum",
+        "bytes",
+        "count",
+    )
+
+    def __init__(self, counter: Any, histogram: Any, bytes_counter: Any) -> None:
+        """``counter``: requests; ``histogram``: their durations; ``bytes_counter``:
+        their body bytes (children of the labels they are for)."""
+        self._counter = counter
+        self._histogram = histogram
+        self._bytes = bytes_counter
+        self.bytes = 0
+        self.count = 0
+        self._bounds: tuple[float, ...] = tuple(histogram._upper_bounds)
+        self._buckets = [0] * len(self._bounds)
+        self._sum = 0.0
+
+    def add(self, seconds: float, sent: int) -> None:
+        self.count += 1
+        self.bytes += sent
+        self._sum += seconds
+        for i, bound in enumerate(self._bounds):
+            if seconds <= bound:
+                self._buckets[i] += 1
+                break
+
+    def flush(self) -> None:
+        if not self.count:
+            return
+        self._counter.inc(self.count)
+        if self.bytes:
+            self._bytes.inc(self.bytes)
+        self._histogram._sum.inc(self._sum)
+        for i, n in enumerate(self._buckets):
+            if n:
+                self._histogram._buckets[i].inc(n)
+                self._buckets[i] = 0
+        self.count = self.bytes = 0
+        self._sum = 0.0
