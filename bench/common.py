@@ -38,7 +38,13 @@ def wait_http(url: str, timeout_s: float = 60) -> None:
 
 
 class Process:
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path = ROOT,
+    ) -> None:
         self.log = log
         with log.open("ab") as out:
             self.popen = subprocess.Popen(
@@ -46,7 +52,7 @@ class Process:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
-                cwd=ROOT,
+                cwd=cwd,
             )
 
     @property

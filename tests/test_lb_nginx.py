@@ -9,10 +9,7 @@ by .ci/run.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,34 +17,12 @@ import httpx
 import pytest
 
 from proxy.config.load import load
-from tests.admin_support import AUTH, admin_config, wait_until
+from tests.admin_support import AUTH, admin_config
 from tests.conftest import ProxyFactory
+from tests.nginx_lb import NGINX, running_balancer
 from tests.npm_registry import NpmRegistry, Tarball, start_registry
 from tests.pg import free_port
 from tests.upstream import FakeUpstream
-
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
-
-
-def balancer_config(folder: Path, listen_port: int, replica_port: int) -> Path:
-    text = (DEPLOY / "nginx.conf").read_text()
-    replacements = {
-        "resolver 127.0.0.11 valid=5s ipv6=off;": "",
-        "set $replicas proxy-replicas;": "set $replicas 127.0.0.1;",
-        "http://$replicas:8080": f"http://$replicas:{replica_port}",
-        "listen 8080;": f"listen 127.0.0.1:{listen_port};",
-        "/var/cache/nginx/artifacts": str(folder / "cache"),
-        "access_log /dev/stdout lb;": f"access_log {folder / 'access.log'} lb;",
-    }
-    for old, new in replacements.items():
-        assert old in text, f"deploy/nginx.conf no longer has {old!r}: update this test"
-        text = text.replace(old, new)
-    # As root, nginx's workers would run as nobody, who may not enter the test's folder.
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    path = folder / "nginx.conf"
-    path.write_text(f"{user}pid {folder / 'nginx.pid'};\nerror_log {folder / 'error.log'};\n{text}")
-    return path
 
 
 @pytest.fixture
@@ -67,30 +42,11 @@ def balanced(
     upstream = "{registry.base_url}/"
     """
     proxy = start_proxy(load(admin_config(tmp_path, upstream.base_url, extra=npm), {}))
-    folder = tmp_path / "nginx"
-    folder.mkdir()
-    port = free_port()
-    config = balancer_config(folder, port, int(proxy.url.rsplit(":", 1)[1]))
-    nginx = subprocess.Popen(
-        [NGINX, "-p", str(folder), "-c", str(config), "-g", "daemon off;"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,  # it logs to error.log
-    )
-    url = f"http://127.0.0.1:{port}"
+    replica_port = int(proxy.url.rsplit(":", 1)[1])
     try:
-
-        def up() -> bool:
-            assert nginx.poll() is None, (folder / "error.log").read_text()
-            try:
-                return httpx.get(f"{url}/lb-healthz").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until("nginx to listen", up)
-        yield url, registry
+        with running_balancer(tmp_path / "nginx", free_port(), replica_port) as url:
+            yield url, registry
     finally:
-        nginx.terminate()
-        nginx.wait(timeout=30)
         registry_server.stop()
 
 
@@ -147,44 +103,25 @@ role = "write"
 """
     )
     proxy = start_proxy(load(config, {}))
-    folder = tmp_path / "nginx"
-    folder.mkdir()
-    port = free_port()
-    nginx_config = balancer_config(folder, port, int(proxy.url.rsplit(":", 1)[1]))
-    nginx = subprocess.Popen(
-        [NGINX, "-p", str(folder), "-c", str(nginx_config), "-g", "daemon off;"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}/gradle-cache/key-1"
+    replica_port = int(proxy.url.rsplit(":", 1)[1])
 
-    def put(source: str, password: str) -> httpx.Response:
+    def put(url: str, source: str, password: str) -> httpx.Response:
         transport = httpx.HTTPTransport(local_address=source)
         with httpx.Client(transport=transport) as client:
             return client.put(url, content=b"entry", auth=("ci", password))
 
-    try:
-
-        def up() -> bool:
-            assert nginx.poll() is None, (folder / "error.log").read_text()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/lb-healthz").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until("nginx to listen", up)
+    with running_balancer(tmp_path / "nginx", free_port(), replica_port) as balancer:
+        url = f"{balancer}/gradle-cache/key-1"
         for i in range(5):
-            assert put("127.0.0.2", f"guess-{i}").status_code == 401
+            assert put(url, "127.0.0.2", f"guess-{i}").status_code == 401
         # Refused as the replica refused it, not as nginx's 500 for a check it did not
         # expect to fail that way.
-        locked = put("127.0.0.2", "guess-5")
+        locked = put(url, "127.0.0.2", "guess-5")
         assert locked.status_code == 429, locked.text
         assert int(locked.headers["retry-after"]) >= 1
-        assert put("127.0.0.3", "the-ci-password").status_code == 201, "the CI is not locked out"
+        ci_put = put(url, "127.0.0.3", "the-ci-password")
+        assert ci_put.status_code == 201, "the CI is not locked out"
         assert httpx.get(url).content == b"entry"
         with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3")) as ci:
             large = ci.put(url, content=b"x" * 20, auth=("ci", "the-ci-password"))
         assert large.status_code == 413, large.text  # under nginx's own limit, over ours
-    finally:
-        nginx.terminate()
-        nginx.wait(timeout=30)
