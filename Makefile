@@ -3,7 +3,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-PYTEST_ARGS ?=
+# The suite mostly waits (servers, clients, timeouts): three processes share the two
+# cores of the machines it runs on. PYTEST_ARGS="-n 0" runs it in one.
+PYTEST_ARGS ?= -n 3
 
 .PHONY: serve test check lint format bench clean lock deploy-test bench-lb soak
 

@@ -135,13 +135,13 @@ def setup(args: argparse.Namespace, work: Path, processes: list[Process]) -> lis
     for i in range(SIBLINGS):
         make_file(root / PROJECT / f"small-0.{i}-py3-none-any.whl", 64)
     large = make_file(root / "large" / LARGE, LARGE_BYTES)
-    cold_rows = 6 if args.before else 3
+    cold_rows = 6 if args.before else 3  # proxy, -w2 and LB rows, per checkout
     if not args.no_cold:
         for round_no in range(args.rounds):
             for row in range(cold_rows):
-                name = root / "cold" / cold_name(round_no, row)
-                name.parent.mkdir(parents=True, exist_ok=True)
-                os.link(large, name)  # the same bytes, a name nobody has asked for
+                path = root / "cold" / cold_name(round_no, row)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.link(large, path)  # the same bytes, a name nobody has asked for
     upstream, upstream_url = start_upstream(root, work)
     processes.append(upstream)
 
@@ -181,18 +181,22 @@ def setup(args: argparse.Namespace, work: Path, processes: list[Process]) -> lis
         name = "bare uvicorn" + (" -w2" if workers == 2 else "")
         targets.insert(first + workers - 1, Target(name, url, url + "/", "", "", None))
     if not args.no_lb and Path(NGINX).exists():
-        w2 = next(t for t in targets if t.name == "proxy -w2")
-        lb = LoadBalancer(work / "lb", int(w2.url.rsplit(":", 1)[1]))
-        lb_url = lb.start()
-        processes.append(lb)  # type: ignore[arg-type]
-        lb_target = proxy_target("LB", lb_url, row)
-        warm([lb_target])
-        after_w2 = targets.index(w2) + 1
-        targets.insert(after_w2, lb_target)
+        for label, tree in trees:
+            w2 = next(t for t in targets if t.name == f"{label}proxy -w2")
+            lb = LoadBalancer(work / f"{label}lb".replace(" ", "-"), port_of(w2), tree)
+            processes.append(lb)  # type: ignore[arg-type]
+            lb_target = proxy_target(f"{label}LB", lb.start(), row)
+            row += 1
+            warm([lb_target])
+            targets.insert(targets.index(w2) + 1, lb_target)
     if args.no_cold:
         for target in targets:
             target.cold = None
     return targets
+
+
+def port_of(target: Target) -> int:
+    return int(target.url.rsplit(":", 1)[1])
 
 
 def cold_name(round_no: int, row: int) -> str:
@@ -317,12 +321,14 @@ def start_bare(work: Path, workers: int) -> tuple[Process, str]:
 
 
 class LoadBalancer:
-    """deploy/nginx.conf in front of one proxy (tests/nginx_lb.py), as a Process."""
+    """A checkout's deploy/nginx.conf in front of one proxy (tests/nginx_lb.py), as a
+    Process."""
 
-    def __init__(self, folder: Path, replica_port: int) -> None:
+    def __init__(self, folder: Path, replica_port: int, tree: Path = ROOT) -> None:
         self.folder = folder
         self.log = folder / "error.log"
-        self._context = running_balancer(folder, free_port(), replica_port)
+        source = tree / "deploy" / "nginx.conf"
+        self._context = running_balancer(folder, free_port(), replica_port, source)
 
     def start(self) -> str:
         return self._context.__enter__()

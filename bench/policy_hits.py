@@ -41,7 +41,7 @@ def main() -> None:
     root = work / "upstream"
     make_file(root / SMALL, 11 * 1024)
     upstream, upstream_url = start_upstream(root, work)
-    rows = []
+    rows: list[tuple[str, dict[str, float], dict[str, float]]] = []
     try:
         for name, policy in POLICIES.items():
             config = work / f"proxy-{len(rows)}.toml"

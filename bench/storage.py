@@ -123,9 +123,9 @@ def run(args: argparse.Namespace) -> None:
         print(
             f"load {os.getloadavg()}; hits of one 1 MiB file, wrk 16 connections, {args.seconds} s:"
         )
-        hits("folder store", folder, args.seconds)
-        hits("bucket, local tier", tier, args.seconds)
-        hits("bucket, cold (a GET each)", cold, args.seconds)
+        hits("folder store", folder, args.seconds, 16)
+        hits("bucket, local tier", tier, args.seconds, 16)
+        hits("bucket, cold (a GET each)", cold, args.seconds, 16)
         print("S3 requests per request:")
         print(f"  hit on the local tier: {per_request(tier, '/files/one-mib.bin', 50):.2f}")
         print(f"  cold hit (no local copy): {per_request(cold, '/files/one-mib.bin', 50):.2f}")

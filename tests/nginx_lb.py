@@ -22,18 +22,21 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
 
-def balancer_config(folder: Path, listen_port: int, replica_port: int) -> Path:
-    text = (DEPLOY / "nginx.conf").read_text()
+def balancer_config(
+    folder: Path, listen_port: int, replica_port: int, source: Path = DEPLOY / "nginx.conf"
+) -> Path:
+    """``source`` (deploy/nginx.conf, or another checkout's) made to run here."""
+    text = source.read_text()
     replacements = {
         "resolver 127.0.0.11 valid=5s ipv6=off;": "",
         "set $replicas proxy-replicas;": "set $replicas 127.0.0.1;",
         "http://$replicas:8080": f"http://$replicas:{replica_port}",
         "listen 8080;": f"listen 127.0.0.1:{listen_port};",
         "/var/cache/nginx/artifacts": str(folder / "cache"),
-        "access_log /dev/stdout lb;": f"access_log {folder / 'access.log'} lb;",
+        "access_log /dev/stdout lb": f"access_log {folder / 'access.log'} lb",
     }
     for old, new in replacements.items():
-        assert old in text, f"deploy/nginx.conf no longer has {old!r}: update tests/nginx_lb.py"
+        assert old in text, f"{source} no longer has {old!r}: update tests/nginx_lb.py"
         text = text.replace(old, new)
     # As root, nginx's workers would run as nobody, who may not enter the caller's folder.
     user = "user root;\n" if os.geteuid() == 0 else ""
@@ -43,12 +46,15 @@ def balancer_config(folder: Path, listen_port: int, replica_port: int) -> Path:
 
 
 @contextmanager
-def running_balancer(folder: Path, listen_port: int, replica_port: int) -> Iterator[str]:
-    """nginx with deploy/nginx.conf in front of the proxy on ``replica_port``; its URL."""
+def running_balancer(
+    folder: Path, listen_port: int, replica_port: int, source: Path = DEPLOY / "nginx.conf"
+) -> Iterator[str]:
+    """nginx with deploy/nginx.conf (or ``source``) in front of the proxy on
+    ``replica_port``; its URL."""
     if not Path(NGINX).exists():
         raise RuntimeError("Debian's nginx is needed (.ci/run installs it)")
     folder.mkdir(parents=True, exist_ok=True)
-    config = balancer_config(folder, listen_port, replica_port)
+    config = balancer_config(folder, listen_port, replica_port, source)
     nginx = subprocess.Popen(
         [NGINX, "-p", str(folder), "-c", str(config), "-g", "daemon off;"],
         stdout=subprocess.DEVNULL,

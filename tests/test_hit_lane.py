@@ -98,9 +98,18 @@ def test_a_file_hit_is_answered_by_the_lane_as_the_full_path_answers_it(
         other_etag = client.get(url, headers={"If-None-Match": '"other"'})
         assert other_etag.status_code == 200 and other_etag.content == project.body
         assert lane.answered == 4
+        # A revalidating cache (the shipped nginx) sends both: If-None-Match decides.
+        both = {
+            "If-None-Match": laned.headers["etag"],
+            "If-Modified-Since": "Thu, 01 Jan 1970 00:00:00 GMT",
+        }
+        revalidated = client.get(url, headers=both)
+        assert revalidated.status_code == 304 and lane.answered == 5
+        since = client.get(url, headers={"If-Modified-Since": laned.headers["last-modified"]})
+        assert since.status_code == 304 and lane.answered == 5  # alone: the full path's
         ranged = client.get(url, headers={"Range": "bytes=0-9"})
         assert ranged.status_code == 206 and ranged.content == project.body[:10]
-        assert lane.answered == 4  # a range: the full path's
+        assert lane.answered == 5  # a range: the full path's
     assert upstream.count(f"/packages/{project.filename}") == 1
 
 

@@ -9,7 +9,9 @@ by .ci/run.
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +20,11 @@ import pytest
 
 from proxy.config.load import load
 from tests.admin_support import AUTH, admin_config
-from tests.conftest import ProxyFactory
+from tests.conftest import ProxyFactory, pypi_config, write_config
 from tests.nginx_lb import NGINX, running_balancer
 from tests.npm_registry import NpmRegistry, Tarball, start_registry
 from tests.pg import free_port
-from tests.upstream import FakeUpstream
+from tests.upstream import FakeUpstream, ProjectFile
 
 
 @pytest.fixture
@@ -125,3 +127,63 @@ role = "write"
         with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3")) as ci:
             large = ci.put(url, content=b"x" * 20, auth=("ci", "the-ci-password"))
         assert large.status_code == 413, large.text  # under nginx's own limit, over ours
+
+
+DENY = """
+[[policy.rules]]
+match = "pkg:pypi/alpha"
+action = "deny"
+reason = "emergency: compromised"
+"""
+
+
+def test_the_balancer_answers_hits_itself_and_a_deny_rule_within_two_seconds(
+    tmp_path: Path, upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """deploy/nginx.conf keeps files and pages a second (nginx counts whole seconds: up
+    to two) and then revalidates them (a 304 from the replica's hit lane): hits are
+    answered by nginx, and an emergency deny rule added on the replicas reaches the
+    clients behind it within two seconds (it cached
+    immutable files for a week: a rule added later never reached them). A download in
+    progress passes through, stored nowhere."""
+    wheel = ProjectFile("alpha-1.0-py3-none-any.whl", os.urandom(300_000))
+    upstream.add_project("alpha", [wheel])
+    upstream.fault(f"/packages/{wheel.filename}", chunk_size=64 * 1024, chunk_delay_s=0.05)
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = start_proxy(load(config, {}))
+    replica_port = int(proxy.url.rsplit(":", 1)[1])
+    with running_balancer(tmp_path / "nginx", free_port(), replica_port) as lb:
+        page, file = f"{lb}/pypi/simple/alpha/", f"{lb}/pypi/files/alpha/{wheel.filename}"
+        accept = {"Accept": "application/vnd.pypi.simple.v1+json"}
+        with httpx.Client(timeout=30) as client:
+            miss = client.get(file)  # streamed while it downloads: not stored by nginx
+            assert miss.status_code == 200 and miss.content == wheel.body
+            assert "x-accel-buffering" not in miss.headers  # nginx's own: taken off
+            assert miss.headers["x-cache-status"] == "MISS"
+            stored = client.get(file)
+            assert stored.headers["x-cache-status"] == "MISS"  # the hit: stored now
+            assert client.get(file).headers["x-cache-status"] == "HIT"
+            assert client.get(page, headers=accept).status_code == 200
+            cached_page = client.get(page, headers=accept)
+            assert cached_page.headers["x-cache-status"] == "HIT"
+            assert cached_page.headers["vary"] == "Accept"
+            html = client.get(page, headers={"Accept": "text/html"})  # another variant
+            assert html.headers["content-type"].startswith("text/html")
+            time.sleep(2.1)  # nginx counts whole seconds: "1s" lasts up to two
+            revalidated = client.get(file)  # the second is over: asked again, 304
+            assert revalidated.headers["x-cache-status"] == "REVALIDATED"
+            assert revalidated.content == wheel.body
+            engine = proxy.server.lifespan.state["proxy"]
+            deny = write_config(
+                tmp_path, pypi_config(tmp_path / "data", upstream.base_url, DENY), "deny.toml"
+            )
+            engine.reload_policy(load(deny, {}))
+            deadline = time.monotonic() + 2.5
+            while client.get(file).status_code == 200:
+                assert time.monotonic() < deadline, "the balancer kept serving a denied file"
+                time.sleep(0.05)
+            refused = client.get(file)
+            assert refused.status_code == 403 and "emergency: compromised" in refused.text
+    assert upstream.count(f"/packages/{wheel.filename}") == 1
+    leftovers = [p for p in (tmp_path / "nginx" / "cache").rglob("*") if p.is_file()]
+    assert len(leftovers) <= 3  # the file and the page's two variants, no spooled copy

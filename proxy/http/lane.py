@@ -51,7 +51,6 @@ FULL_PATH_HEADERS = frozenset(
     {
         b"range",
         b"if-range",
-        b"if-modified-since",
         b"if-unmodified-since",
         b"content-length",
         b"transfer-encoding",
@@ -59,7 +58,9 @@ FULL_PATH_HEADERS = frozenset(
         b"upgrade",
     }
 )
-CONDITIONAL_HEADERS = (b"if-none-match", *FULL_PATH_HEADERS)
+# If-Modified-Since is judged by the full path, unless If-None-Match comes with it,
+# which then decides alone (RFC 9110, 13.1.3): a revalidating cache sends both.
+CONDITIONAL_HEADERS = (b"if-none-match", b"if-modified-since", *FULL_PATH_HEADERS)
 MAX_AGE_PREFIX = b"public, max-age="
 
 # What each hit does besides its answer, given how many hits there were since it was
@@ -390,6 +391,7 @@ class HitLane:
         if_none_match = None
         wanted: list[bytes | None] = [None] * len(vary)
         hosts = 0
+        modified_since = False
         for name, value in headers:
             if name in FULL_PATH_HEADERS:
                 return False
@@ -397,6 +399,8 @@ class HitLane:
                 if if_none_match is not None:
                     return False
                 if_none_match = value
+            elif name == b"if-modified-since":
+                modified_since = True
             elif name == b"host":
                 hosts += 1
             if name in vary:
@@ -404,7 +408,7 @@ class HitLane:
                 if wanted[i] is not None:
                     return False  # sent twice: the full path joins them
                 wanted[i] = value
-        if hosts > 1:
+        if hosts > 1 or (modified_since and if_none_match is None):
             return False
         answer = slot.answers.get(tuple(wanted))
         if answer is None:

@@ -478,6 +478,9 @@ def downloading(
 ) -> DownloadResponse:
     headers = _base_headers(download.content_type, extra)
     headers.append((b"cache-control", cache_control_value))
+    # A load balancer in front (deploy/nginx.conf) passes a download in progress on as
+    # it comes, and keeps no copy of it: its clients share our single download.
+    headers.append((b"x-accel-buffering", b"no"))
     if download.total is not None:
         headers.append((b"content-length", str(download.total).encode()))
     return DownloadResponse(headers, download, repository, head=method == "HEAD")
