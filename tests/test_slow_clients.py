@@ -161,6 +161,57 @@ def test_a_miss_streamed_to_slow_readers_arrives_exact_beside_stalled_ones(
     assert len(slow) * len(body) <= served < (len(slow) + len(stalled)) * len(body)
 
 
+def test_a_stored_file_sent_by_sendfile_arrives_exact_and_leaves_no_descriptor(
+    proxy: ProxyProcess, upstream: FakeUpstream
+) -> None:
+    """A stored file known good goes to the socket by sendfile in the I/O pool
+    (FileResponse), the ordinary way while the socket is full: slow readers get every
+    byte, ranges their bytes, and clients that leave mid-file (while a sendfile may be
+    running in its thread) leave no descriptor behind, neither the file's nor the
+    socket duplicate the thread sends through."""
+    body = os.urandom(24 * MiB)
+    upstream.files["/stored.bin"] = body
+    assert httpx.get(proxy.url + "/files/stored.bin", timeout=30).content == body  # the miss
+    assert httpx.get(proxy.url + "/files/stored.bin", timeout=30).content == body  # stamped
+    ranged = httpx.get(
+        proxy.url + "/files/stored.bin", headers={"Range": "bytes=1000-9000999"}, timeout=30
+    )
+    assert ranged.status_code == 206 and ranged.content == body[1000:9001000]
+
+    def open_descriptors() -> int:
+        return len(os.listdir(f"/proc/{proxy.pid}/fd"))
+
+    before = open_descriptors()
+    served_before = proxy.metric("proxy_bytes_served_total", repository="files")
+    request = b"GET /files/stored.bin HTTP/1.1\r\nHost: x\r\n\r\n"
+    readers, leavers = [], []
+    for i in range(10):
+        sock = socket.socket()
+        sock.settimeout(30)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536 if i % 2 else 262144)
+        sock.connect(("127.0.0.1", proxy.port))
+        sock.sendall(request)
+        (leavers if i < 4 else readers).append(sock)
+    try:
+        for sock in leavers:
+            sock.recv(100_000)
+            sock.close()
+        for i, sock in enumerate(readers):
+            head, received = read_response(sock, pause_s=0.0005 * (i % 3))
+            assert head.startswith(b"HTTP/1.1 200")
+            assert hashlib.sha256(received).digest() == hashlib.sha256(body).digest()
+    finally:
+        for sock in readers:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while open_descriptors() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_descriptors() <= before
+    served = proxy.metric("proxy_bytes_served_total", repository="files") - served_before
+    assert len(readers) * len(body) <= served < 10 * len(body)
+    assert upstream.count("/stored.bin") == 1
+
+
 def test_a_users_metrics_folder_is_kept_with_workers(tmp_path: Path) -> None:
     metrics_dir = tmp_path / "metrics"
     (metrics_dir / "subfolder").mkdir(parents=True)

@@ -34,6 +34,8 @@ from typing import Any
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from proxy.runtime.blocking import run_blocking
+
 SENDFILE_EXTENSION = "proxy.sendfile"
 HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 32 * 1024
@@ -282,8 +284,8 @@ class SocketFileSender:
             return None
         return cls(transport, sock.fileno(), cycle)
 
-    def try_send(self, fd: int, offset: int, count: int) -> int:
-        """Send up to ``count`` bytes of ``fd`` from ``offset``; how many went out."""
+    def _sendable(self, count: int) -> int:
+        """How much of ``count`` may go out with sendfile now (0: none)."""
         cycle = self._cycle
         if (
             not cycle.response_started
@@ -294,13 +296,50 @@ class SocketFileSender:
             or self._transport.get_write_buffer_size()
         ):
             return 0
-        count = min(count, cycle.expected_content_length)
-        if count <= 0:
+        return max(0, min(count, cycle.expected_content_length))
+
+    def try_send(self, fd: int, offset: int, count: int) -> int:
+        """Send up to ``count`` bytes of ``fd`` from ``offset``; how many went out. On
+        the event loop: for bytes in the page cache (a file being written), which a
+        sendfile never waits for."""
+        count = self._sendable(count)
+        if not count:
             return 0
         try:
             sent = os.sendfile(self._socket_fd, fd, offset, count)
         except OSError:
             # Full (EAGAIN), or broken: the ordinary write path waits or finds out.
             return 0
-        cycle.expected_content_length -= sent
+        self._cycle.expected_content_length -= sent
         return sent
+
+    def start_send(self, fd: int, offset: int, count: int) -> asyncio.Future[int] | None:
+        """``try_send`` in the I/O pool, for a stored file whose bytes may have to be
+        read from disk first (a network volume's too): the loop never waits for them.
+        The future gives how many bytes went out (0: the socket is full, or broken); pass
+        it to ``sent`` once done. ``fd`` must stay open until it is done, even if the
+        response is cancelled meanwhile: the thread goes on (``FileResponse``). The
+        socket is a duplicate of the connection's, so a connection closed meanwhile
+        cannot have its descriptor reused under the call. Nothing else writes to the
+        socket meanwhile: the response's own task is its only writer, and it awaits
+        this (uvicorn writes only when asked)."""
+        count = self._sendable(count)
+        if not count:
+            return None
+        out = os.dup(self._socket_fd)
+        return asyncio.ensure_future(run_blocking(_send_closing, out, fd, offset, count))
+
+    def sent(self, count: int) -> None:
+        self._cycle.expected_content_length -= count
+
+
+def _send_closing(out: int, fd: int, offset: int, count: int) -> int:
+    """sendfile from ``fd`` to ``out``, then close ``out`` (a duplicate); how many bytes
+    went out, 0 if none could (EAGAIN: full; anything else: the ordinary write path of
+    the response finds it out)."""
+    try:
+        return os.sendfile(out, fd, offset, count)
+    except OSError:
+        return 0
+    finally:
+        os.close(out)

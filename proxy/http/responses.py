@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -57,6 +58,8 @@ REDIRECT_MAX_AGE_S = 86400
 
 Headers = list[tuple[bytes, bytes]]
 
+# Bytes of a stored file per sendfile call (each is one hop to the I/O pool).
+SENDFILE_CHUNK_BYTES = 8 * 1024 * 1024
 # An empty body message: uvicorn's send waits while the connection's buffer is over its
 # high-water mark and writes nothing. Sent before each chunk is read, it makes what a
 # client that stops reading costs us one buffered chunk, not one more in hand.
@@ -110,12 +113,19 @@ class FileResponse:
         self.repository = repository
         self.rewrite = rewrite
         self.check = check
+        self._sending: asyncio.Future[int] | None = None  # a sendfile in the I/O pool
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = asyncio.Event()
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, disconnected))
         check = self.check
         hasher = hashlib.sha256() if check is not None else None
+        # A file known good and sent as is goes from the page cache to the socket
+        # (sendfile, in the I/O pool: it may read the disk); a hashed or rewritten one
+        # passes through here.
+        sender: SocketFileSender | None = None
+        if check is None and self.rewrite is None:
+            sender = scope.get("extensions", {}).get(SENDFILE_EXTENSION)
         sent = 0
         try:
             await send(
@@ -124,6 +134,23 @@ class FileResponse:
             offset, end = self.start, self.start + self.length
             while offset < end and not disconnected.is_set():
                 await send(_WAIT_WRITABLE)
+                if sender is not None:
+                    count = 0
+                    pending = sender.start_send(
+                        self.fd, offset, min(SENDFILE_CHUNK_BYTES, end - offset)
+                    )
+                    if pending is not None:
+                        self._sending = pending
+                        count = await asyncio.shield(pending)
+                        self._sending = None
+                        sender.sent(count)
+                    if count:
+                        offset += count
+                        sent += count
+                        note_sent(count)
+                        continue
+                    # The socket is full (or broken): one chunk the ordinary way, whose
+                    # write waits for the client (or finds out).
                 size = min(SEND_CHUNK_BYTES, end - offset)
                 try:
                     if hasher is None:
@@ -151,12 +178,23 @@ class FileResponse:
                     data = self.rewrite(data)
                 sent += len(data)
                 await send({"type": "http.response.body", "body": data, "more_body": offset < end})
-            if self.length == 0:
+                if offset >= end:
+                    return  # that was the last message
+            if offset >= end:  # empty, or its last bytes went by sendfile
                 await send({"type": "http.response.body", "body": b""})
         finally:
             watcher.cancel()
-            os.close(self.fd)
+            sending = self._sending
+            if sending is not None and not sending.done():
+                # Cancelled while a sendfile runs in its thread: it reads the file.
+                sending.add_done_callback(functools.partial(_close, self.fd))
+            else:
+                os.close(self.fd)
             metrics.BYTES_SERVED.labels(repository=self.repository).inc(sent)
+
+
+def _close(fd: int, _done: object) -> None:
+    os.close(fd)
 
 
 async def _shielded(work: Awaitable[None]) -> None:
