@@ -26,7 +26,8 @@ Columns (figures):
 The machine is shared by everything (wrk included): the figures compare, they do not
 size. Needs wrk and curl (apt-get install wrk curl), and nginx for its rows.
 ``--huge`` adds the old miss-path memory check: 20 clients on one uncached 1 GiB file
-through `proxy`, its RSS sampled.
+through `proxy`, its RSS sampled. ``BENCH_PROXY_ARGS`` adds arguments to every
+`proxy serve` (``--no-access-log``: the access log's cost).
 """
 
 from __future__ import annotations
