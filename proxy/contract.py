@@ -223,6 +223,10 @@ class Request:
     scheme: str = "http"  # how the client reached this process
     public_url: str | None = None  # server.public_url, when a deployment sets it
     client: str = ""  # the peer's address (a load balancer's, behind one)
+    # Set once the answer is built with something the client chose (the Host it sent,
+    # through base_url): nothing may keep such an answer for other clients (the engine
+    # marks it Vary: Host and keeps it out of the hit lane).
+    named_by_client: list[bool] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def segments(self) -> tuple[str, ...]:
@@ -243,6 +247,8 @@ class Request:
         never store a body built with it, build it per request."""
         if self.public_url is not None:
             return f"{self.public_url}/{self.repository}/"
+        if not self.named_by_client:
+            self.named_by_client.append(True)
         root_path = self.base_path[: -len(self.repository) - 2]
         return base_url(self.scheme, self.headers.get("host"), root_path, self.repository)
 

@@ -472,6 +472,9 @@ class ProxiedView:
     async def _read_document(self, spec: FetchSpec, limit: int, representation: str) -> bytes:
         copy = await self._copy(spec, (await self._outcome(spec))[0])
         rendering, judged, copy = await self._rendered(spec, copy, representation)
+        lane.note_until(judged.until_ms)  # an answer made of it changes when a hold ends
+        if copy.stale:
+            lane.spoil()
         if rendering.size > limit:
             raise UpstreamError(f"{spec.key}: {rendering.size} bytes, over {limit}")
         try:

@@ -45,6 +45,9 @@ log = logging.getLogger("proxy.app")
 READY_CHECK_TIMEOUT_S = 2.0
 BODY_METHODS = frozenset({"PUT", "POST", "PATCH"})
 KNOWN_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"})
+# What an answer naming the proxy by the client's URL varies with (Request.base_url):
+# the Host, and the scheme a trusted balancer forwards.
+VARY_CLIENT_URL = ("Host", "X-Forwarded-Proto")
 
 
 class LoopSignal:
@@ -228,11 +231,13 @@ class Dispatcher:
                     )
                     ticket = None
                     if method == "GET" and state.lane is not None:
-                        ticket = LaneTicket()
+                        ticket = LaneTicket(state.lane.epoch)
                         TICKET.set(ticket)  # this request's task has a context of its own
                     response = await adapter.handle(request)
-
-                    if ticket is not None and isinstance(response, responses.BodyResponse):
+                    if request.named_by_client:
+                        # Built with the Host the client sent: kept by no one for others.
+                        responses.vary_on(response, VARY_CLIENT_URL)
+                    elif ticket is not None and isinstance(response, responses.BodyResponse):
                         _offer(state, scope, response, ticket)
             except Exception as exc:
                 accept = next((v for k, v in scope["headers"] if k == b"accept"), b"")

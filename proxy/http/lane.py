@@ -35,6 +35,7 @@ from proxy.catalog import CLOCK_STEP_TOLERANCE_MS, Entry
 from proxy.clock import Clock
 from proxy.fetch.index import EntryIndex
 from proxy.http import access_log
+from proxy.http.paths import MAX_HEADER_BYTES
 from proxy.http.semantics import matches_etag
 from proxy.runtime import metrics
 from proxy.types import Kind
@@ -75,9 +76,10 @@ class LaneTicket:
     does. ``spoiled``: the answer may depend on something the lane cannot check (two
     entries, a miss, a body naming the client's own URL): it is not kept."""
 
-    __slots__ = ("indexed", "outcome", "per_hit", "served", "spoiled", "until_ms")
+    __slots__ = ("epoch", "indexed", "outcome", "per_hit", "served", "spoiled", "until_ms")
 
-    def __init__(self) -> None:
+    def __init__(self, epoch: int = 0) -> None:
+        self.epoch = epoch  # the lane's when the request began (HitLane.clear)
         self.indexed: Entry | None = None  # the EntryIndex's object for the key
         self.served: Entry | None = None  # the entry as judged (today's TTLs)
         self.until_ms: int | None = None  # a release hold the answer reflects ends then
@@ -131,7 +133,7 @@ class LaneAnswer:
         "_date",
         "_head_200",
         "_head_304",
-        "_second",
+        "_max_age",
         "body",
         "cache_control_at",
         "etag",
@@ -175,7 +177,7 @@ class LaneAnswer:
         self.body = body
         self.size = len(body) + sum(len(n) + len(v) for n, v in headers)
         self._date: object = None
-        self._second = -1
+        self._max_age = -1
         self._head_200 = b""
         self._head_304 = b""
 
@@ -194,14 +196,15 @@ class LaneAnswer:
 
     def heads(self, date: list[tuple[bytes, bytes]], now_ms: int) -> tuple[bytes, bytes]:
         """The 200 and 304 heads (status line to the blank line), made again when the
-        server's Date header changes (once a second) or max-age counts down."""
-        second = now_ms // 1000 if self.cache_control_at is not None else 0
-        if date is not self._date or second != self._second:
+        server's Date header changes (once a second) or max-age counts down (on the
+        entry's own seconds, not the clock's)."""
+        max_age = self.max_age_s(now_ms) if self.cache_control_at is not None else 0
+        if date is not self._date or max_age != self._max_age:
             lines = [b"".join((n, b": ", v, b"\r\n")) for n, v in date]
             fields = []
             for i, (name, value) in enumerate(self.headers):
                 if i == self.cache_control_at:
-                    value = MAX_AGE_PREFIX + b"%d" % self.max_age_s(now_ms)
+                    value = MAX_AGE_PREFIX + b"%d" % max_age
                 fields.append((name, b"".join((name, b": ", value, b"\r\n"))))
             common = b"".join(lines)
             self._head_200 = b"".join(
@@ -215,7 +218,7 @@ class LaneAnswer:
                     b"\r\n",
                 )
             )
-            self._date, self._second = date, second
+            self._date, self._max_age = date, max_age
         return self._head_200, self._head_304
 
 
@@ -246,6 +249,7 @@ class HitLane:
         self.max_answers = max_answers
         self.size_bytes = 0
         self.count = 0
+        self.epoch = 0  # moved on by clear
         self.answered = 0  # requests answered from the lane since the process started
         self._slots: dict[bytes, _Slot] = {}
         self._counters: dict[tuple[str, str, int], metrics.Batched] = {}
@@ -256,7 +260,9 @@ class HitLane:
         return self.count
 
     def clear(self) -> None:
-        """Forget every answer (the release policy was reloaded)."""
+        """Forget every answer (the release policy was reloaded), and any answer judged
+        before now that a request still in flight would file (``epoch``)."""
+        self.epoch += 1
         self._slots.clear()
         self.size_bytes = self.count = 0
 
@@ -293,6 +299,7 @@ class HitLane:
         served = ticket.served
         if (
             ticket.spoiled
+            or ticket.epoch != self.epoch
             or served is None
             or ticket.indexed is None
             or method != "GET"
@@ -353,11 +360,12 @@ class HitLane:
                 self._forget(target)
             slot = self._slots[target] = _Slot(vary)
         old = slot.answers.pop(variant, None)
+        if old is None and len(slot.answers) >= LANE_MAX_VARIANTS:
+            # The oldest filed goes: junk Accept values cannot keep new ones out.
+            old = slot.answers.pop(next(iter(slot.answers)))
         if old is not None:
             self.size_bytes -= old.size
             self.count -= 1
-        elif len(slot.answers) >= LANE_MAX_VARIANTS:
-            return
         slot.answers[variant] = answer
         self.size_bytes += answer.size
         self.count += 1
@@ -392,7 +400,9 @@ class HitLane:
         wanted: list[bytes | None] = [None] * len(vary)
         hosts = 0
         modified_since = False
+        size = 0
         for name, value in headers:
+            size += len(name) + len(value) + 4
             if name in FULL_PATH_HEADERS:
                 return False
             if name == b"if-none-match":
@@ -408,8 +418,8 @@ class HitLane:
                 if wanted[i] is not None:
                     return False  # sent twice: the full path joins them
                 wanted[i] = value
-        if hosts > 1 or (modified_since and if_none_match is None):
-            return False
+        if hosts > 1 or size > MAX_HEADER_BYTES or (modified_since and if_none_match is None):
+            return False  # (the full path's 400, 431, or its Last-Modified judgement)
         answer = slot.answers.get(tuple(wanted))
         if answer is None:
             return False

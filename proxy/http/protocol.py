@@ -186,6 +186,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         elif self._in_head and self._deadline is None:
             # A pipelined head's clock starts now that our answer before it is sent.
             self._set_deadline(HEAD_TIMEOUT_S, idle=False)
+        elif not self._in_head and not self.pipeline:
+            # Idle until a request begins: uvicorn's keep-alive timer stopped at any
+            # byte, so a client sending bare CRLFs kept the connection for ever.
+            self._unset_keepalive_if_required()
+            self._set_deadline(self.timeout_keep_alive, idle=True)
 
     def _responding(self) -> bool:
         """Is a response still being sent on this connection?"""
@@ -217,7 +222,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._deadline = None
         if self._idle:
-            self.transport.close()  # uvicorn's keep-alive timeout
+            if not self._responding():
+                self.transport.close()  # uvicorn's keep-alive timeout
         else:
             self._head_timed_out()
 

@@ -524,6 +524,22 @@ def downloading(
     return DownloadResponse(headers, download, repository, head=method == "HEAD")
 
 
+def vary_on(response: object, names: tuple[str, ...]) -> None:
+    """Add ``names`` to the Vary header of an answer built by this module (a list of
+    headers); any other answer is left as it is."""
+    headers = getattr(response, "headers", None)
+    if not isinstance(headers, list):
+        return
+    for i, (name, value) in enumerate(headers):
+        if name == b"vary":
+            have = {v.strip().lower() for v in value.decode("latin-1").split(",")}
+            more = [n for n in names if n.lower() not in have]
+            if more:
+                headers[i] = (name, value + b", " + ", ".join(more).encode())
+            return
+    headers.append((b"vary", ", ".join(names).encode()))
+
+
 def _base_headers(content_type: str | None, extra: Mapping[str, str]) -> Headers:
     """Content-Type (the adapter's choice in ``extra`` wins over the stored one) and extras."""
     headers: Headers = []

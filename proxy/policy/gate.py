@@ -119,6 +119,9 @@ class ReleaseGate:
         counter = self._counter(decision)
         counter.inc()
         lane.note_each_hit(counter.inc)  # every hit the lane answers counts it too
+        known = self._decisions.get((version.package, version.version))
+        if known is not None:
+            lane.note_until(known.until_ms)  # it is made again then, and may differ
         if decision.allowed or policy.report_only:
             return
         purl = self.purl(version.package)

@@ -140,10 +140,12 @@ class AccessLines:
         else:
             line = f"{self._stamp},{msecs:03d} INFO {ACCESS_LOGGER} [{self.pid}] {message}\n"
         with self._lock:
+            if self._size + len(line) > ACCESS_BATCH_BYTES:
+                self._write_locked()  # what waits, before this line would cross the limit
             self._lines.append(line)
             self._size += len(line)
             if self._size >= ACCESS_BATCH_BYTES:
-                self._write_locked()
+                self._write_locked()  # a line of its own at the limit (a long query)
                 return
             if self._timer is None:
                 try:

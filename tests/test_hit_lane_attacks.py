@@ -1,0 +1,556 @@
+"""The hit lane (proxy/http/lane.py) and the shipped balancer (deploy/nginx.conf) under
+attack: each test is a way a review found to make either answer otherwise than the full
+path would, or to keep a connection, a log write or a count from what the docs say."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.clock import ManualClock
+from proxy.config.load import load
+from proxy.engine import Seams
+from proxy.http.app import create_app
+from proxy.http.lane import HitLane
+from proxy.http.protocol import GuardedHttpToolsProtocol
+from proxy.testing import MemoryCatalog
+from proxy.testing.upstream import MockUpstream
+from tests.conftest import write_config
+from tests.test_npm import REGISTRY, Upstream
+from tests.upstream import ServerThread
+
+
+def lane_of(proxy: ServerThread) -> HitLane:
+    lane = proxy.server.lifespan.state["lane"]
+    assert isinstance(lane, HitLane)
+    return lane
+
+
+def raw_get(port: int, request: bytes) -> bytes:
+    """One request on a fresh connection (kept alive); the whole answer."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            assert chunk
+            body += chunk
+        return head + b"\r\n\r\n" + body
+
+
+def start_npm(
+    tmp_path: Path, upstream: Upstream, clock: ManualClock, policy: str = ""
+) -> ServerThread:
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        {policy}
+        [[repositories]]
+        name = "npm"
+        format = "npm"
+        upstream = "{REGISTRY}"
+        metadata_ttl = "5m"
+        """,
+    )
+    app = create_app(
+        load(config, {}),
+        clock,
+        seams=Seams(catalog=MemoryCatalog(clock), upstream=MockUpstream(upstream)),
+    )
+    return ServerThread(app, loop="asyncio", http=GuardedHttpToolsProtocol).start()
+
+
+@pytest.fixture
+def npm_server(tmp_path: Path) -> Any:
+    clock = ManualClock()
+    upstream = Upstream()
+    server = start_npm(tmp_path, upstream, clock)
+    yield server, upstream, clock
+    server.stop()
+
+
+def test_npm_version_document_built_with_one_clients_host_is_never_sent_to_another(
+    npm_server: Any,
+) -> None:
+    """``/npm/left-pad/1.0.0`` names the tarball with the client's own base URL (its
+    Host): the full path builds it per request. The lane once filed it and sent client
+    A's URL to client B: anyone who could send a request with ``Connection: close``
+    (always the full path) picked the tarball URL every later client got. Now it is
+    never filed, and it says Vary: Host to caches in front."""
+    server, _upstream, _clock = npm_server
+    lane = lane_of(server)
+    path = "/npm/left-pad/1.0.0"
+    evil = f"GET {path} HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n".encode()
+    raw_get(server.port, evil)  # the miss (the packument is fetched)
+    evil_answer = raw_get(server.port, evil)  # a full-path hit: built with its Host
+    assert len(lane) == 0, "an answer naming the client's own URL was filed"
+    assert b"\r\nvary: host, x-forwarded-proto\r\n" in evil_answer.lower()
+    with httpx.Client(base_url=server.url) as client:
+        answer = client.get(path, headers={"Host": "good.example"})
+    tarball = answer.json()["dist"]["tarball"]
+    assert tarball == "http://good.example/npm/left-pad/-/left-pad-1.0.0.tgz", tarball
+    assert answer.headers["vary"] == "Host, X-Forwarded-Proto"
+
+
+def test_npm_dist_tags_show_a_held_version_once_its_hold_ended(tmp_path: Path) -> None:
+    """``/npm/-/package/left-pad/dist-tags`` and ``/npm/left-pad/latest`` reflect a
+    hold (``latest`` is the newest version not held), but ``_read_document`` never tells
+    the ticket the hold's end (``lane.note_until``): after the hold ends the full path
+    answers ``latest: 1.1.0``, the lane keeps answering ``1.0.0`` until the packument's
+    TTL runs out."""
+    from tests.test_release_gate_npm import COOLDOWN, DAY_S, aged
+
+    clock = ManualClock()
+    upstream = Upstream()
+    # 1.1.0's 3-day cooldown ends 60 s from now; the packument stays fresh for 5 min.
+    aged(upstream, clock, {("left-pad", "1.0.0"): 30, ("left-pad", "1.1.0"): 3 - 60 / DAY_S})
+    server = start_npm(tmp_path, upstream, clock, COOLDOWN)
+    try:
+        lane = lane_of(server)
+        path = "/npm/-/package/left-pad/dist-tags"
+        with httpx.Client(base_url=server.url) as client:
+            assert client.get(path).json() == {"latest": "1.0.0"}  # the miss
+            assert client.get(path).json() == {"latest": "1.0.0"}  # a full-path hit: filed
+            assert len(lane) == 1
+            clock.advance(120)  # the hold is over
+            laned = client.get(path)
+            full = client.get(path, headers={"Connection": "close"})  # the full path
+            assert full.json() == {"latest": "1.1.0"}
+            assert laned.json() == full.json(), (
+                f"lane answered {laned.json()} (answered={lane.answered})"
+            )
+    finally:
+        server.stop()
+
+
+def test_an_answer_judged_before_a_policy_reload_is_never_filed_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload empties the lane, but a full-path GET that passed the release gate
+    before the reload and ends after it files its answer anyway (the lane keeps no
+    policy generation): the deny rule never reaches that file on this process (an
+    immutable file never expires), while the full path answers 403."""
+    import asyncio
+    import threading
+
+    from proxy.cache.proxied import ProxiedView
+    from tests.conftest import pypi_config
+    from tests.test_policy_reload import DENY
+    from tests.upstream import FakeUpstream, ProjectFile, start_upstream
+
+    upstream = FakeUpstream()
+    upstream_server = start_upstream(upstream)
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha-bytes")])
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = ServerThread(
+        create_app(load(config, {})), loop="asyncio", http=GuardedHttpToolsProtocol
+    ).start()
+    try:
+        url = proxy.url + "/pypi/files/alpha/alpha-1.0.tar.gz"
+        assert httpx.get(url).status_code == 200  # the miss
+        hold = threading.Event()
+        entered = threading.Event()
+        release = threading.Event()
+        loops: list[asyncio.AbstractEventLoop] = []
+        render = ProxiedView._render
+
+        async def slow_render(self: Any, *args: Any, **kw: Any) -> Any:
+            if hold.is_set():
+                loops.append(asyncio.get_running_loop())
+                entered.set()
+                while not release.is_set():  # noqa: ASYNC110 - a thread-safe flag
+                    await asyncio.sleep(0.01)
+            return await render(self, *args, **kw)
+
+        monkeypatch.setattr(ProxiedView, "_render", slow_render)
+        hold.set()
+        answers: list[int] = []
+        slow = threading.Thread(target=lambda: answers.append(httpx.get(url).status_code))
+        slow.start()
+        assert entered.wait(10)  # gate checked (no policy yet), answer not yet made
+        hold.clear()
+        engine = proxy.server.lifespan.state["proxy"]
+        denying = write_config(
+            tmp_path, pypi_config(tmp_path / "data", upstream.base_url, extra=DENY), "deny.toml"
+        )
+        done = threading.Event()
+
+        def reload() -> None:
+            engine.reload_policy(load(denying, {}))
+            done.set()
+
+        loops[0].call_soon_threadsafe(reload)
+        assert done.wait(10)
+        release.set()
+        slow.join(10)
+        assert answers == [200]  # judged before the reload: fine
+        full = httpx.get(url, headers={"Connection": "close"})  # the full path: denied
+        assert full.status_code == 403
+        # (that full-path 403 is not filed, nor does it remove the filed 200)
+        with httpx.Client() as client:
+            laned = client.get(url)
+        assert laned.status_code == 403, f"lane answered {laned.status_code} after the deny rule"
+    finally:
+        proxy.stop()
+        upstream.released.set()
+        upstream_server.stop()
+
+
+def test_a_release_decision_made_for_a_while_is_made_again_for_the_lane_too(
+    tmp_path: Path,
+) -> None:
+    """The gate keeps some decisions only for a while (``_Known.until_ms``: a publish
+    time the upstream could not give is asked for again after ``RETRY_UNKNOWN_S``), but
+    ``ReleaseGate.check`` never tells the ticket (no ``lane.note_until``): a jar allowed
+    while its pom could not be read stays answered 200 by the lane after the full path
+    has learnt it is held (403)."""
+    from proxy.exceptions import UpstreamUnavailable
+    from proxy.policy.gate import RETRY_UNKNOWN_S
+    from tests.test_release_gate_maven import BASE, M2, Repository
+
+    clock = ManualClock()
+
+    class PomDown(Repository):
+        down = True
+
+        def __call__(self, request: Any) -> Any:
+            if self.down and request.url.endswith(".pom"):
+                raise UpstreamUnavailable("connection refused")
+            return super().__call__(request)
+
+    repository = PomDown(clock, {"1.0": 30, "1.2": 1}, "20991231000000")
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [policy]
+        cooldown = "3d"
+        unknown_publish_time = "allow"
+        [[repositories]]
+        name = "maven"
+        format = "maven"
+        upstream = "{M2}"
+        """,
+    )
+    app = create_app(
+        load(config, {}), clock,
+        seams=Seams(catalog=MemoryCatalog(clock), upstream=MockUpstream(repository)),
+    )  # fmt: skip
+    server = ServerThread(app, loop="asyncio", http=GuardedHttpToolsProtocol).start()
+    try:
+        lane = lane_of(server)
+        path = f"/maven/{BASE}/1.2/lib-1.2.jar"
+        with httpx.Client(base_url=server.url) as client:
+            assert client.get(path).status_code == 200  # allowed for now; the miss
+            assert client.get(path).status_code == 200  # a full-path hit: filed
+            assert len(lane) == 1
+            repository.down = False
+            clock.advance(RETRY_UNKNOWN_S + 1)  # the gate asks again: published 1 day ago
+            laned = client.get(path)
+            full = client.get(path, headers={"Connection": "close"})
+        assert full.status_code == 403, full.text
+        assert laned.status_code == 403, (
+            f"lane answered {laned.status_code} (answered={lane.answered})"
+        )
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pypi_lane(tmp_path: Path, start_proxy: Any) -> Any:
+    from tests.conftest import pypi_config
+    from tests.upstream import FakeUpstream, ProjectFile, start_upstream
+
+    upstream = FakeUpstream()
+    upstream_server = start_upstream(upstream)
+    f = ProjectFile("alpha-1.0-py3-none-any.whl", b"wheel" * 2000)
+    upstream.add_project("alpha", [f])
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = start_proxy(load(config, {}))
+    path = f"/pypi/files/alpha/{f.filename}"
+    with httpx.Client(base_url=proxy.url) as client:
+        for _ in range(3):
+            assert client.get(path).status_code == 200
+    assert len(lane_of(proxy)) == 1
+    yield proxy, path, f
+    upstream.released.set()
+    upstream_server.stop()
+
+
+def test_request_headers_over_the_apps_limit_get_its_431_not_a_lane_answer(pypi_lane: Any) -> None:
+    """The full path refuses request headers over ``paths.MAX_HEADER_BYTES`` (16 KiB)
+    with a 431 (``check_headers``); the protocol lets heads up to 32 KiB through, and
+    the lane answers them 200."""
+    proxy, path, _f = pypi_lane
+    big = "x" * 20_000
+    request = f"GET {path} HTTP/1.1\r\nHost: a\r\nX-Big: {big}\r\n"
+    full = raw_get(proxy.port, (request + "Connection: close\r\n\r\n").encode())
+    assert full.startswith(b"HTTP/1.1 431 ")
+    laned = raw_get(proxy.port, (request + "\r\n").encode())
+    assert laned.startswith(b"HTTP/1.1 431 "), laned[:40]
+
+
+def test_a_pages_max_age_counts_down_on_the_entrys_seconds_not_the_clocks(
+    tmp_path: Path, start_proxy: Any
+) -> None:
+    """``LaneAnswer.heads`` makes the head again when the clock's second changes, but
+    ``Entry.max_age_s`` steps down when ``expires_at_ms - now`` crosses a whole second,
+    which is at the entry's own millisecond offset: for the rest of that second the
+    lane states a max-age one more than the full path does."""
+    from tests.conftest import pypi_config
+    from tests.upstream import FakeUpstream, ProjectFile, start_upstream
+
+    upstream = FakeUpstream()
+    upstream_server = start_upstream(upstream)
+    upstream.add_project("alpha", [ProjectFile("alpha-1.0.tar.gz", b"alpha-bytes")])
+    clock = ManualClock(1_800_000_000_000 + 500)  # the page is fetched at .500
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = start_proxy(load(config, {}), clock)
+    try:
+        lane = lane_of(proxy)
+        url = proxy.url + "/pypi/simple/alpha/"
+        html = {"Accept": "text/html"}
+        with httpx.Client() as client:
+            for _ in range(3):
+                client.get(url, headers=html)
+            assert len(lane) == 1
+            clock.advance(249.7)  # .200 of a second: 350.3 s left
+            first = client.get(url, headers=html)
+            clock.advance(0.6)  # .800 of the same second: 349.7 s left
+            laned = client.get(url, headers=html)
+            answered = lane.answered
+            full = client.get(url, headers={**html, "Connection": "close"})
+        assert first.headers["cache-control"] == "public, max-age=350"
+        assert full.headers["cache-control"] == "public, max-age=349"
+        assert answered >= 2
+        assert laned.headers["cache-control"] == full.headers["cache-control"]
+    finally:
+        upstream.released.set()
+        upstream_server.stop()
+
+
+# -- the load balancer (deploy/nginx.conf through tests/nginx_lb.py) --------------------
+
+
+def _nginx_or_fail() -> None:
+    from tests.nginx_lb import NGINX
+
+    if not Path(NGINX).exists():
+        pytest.fail("these tests need Debian's nginx", pytrace=False)
+
+
+def test_the_balancer_never_gives_one_clients_npm_urls_to_another(
+    tmp_path: Path, start_proxy: Any
+) -> None:
+    """deploy/nginx.conf now keeps every answer the proxy calls public (a packument is
+    ``public, max-age=N``) keyed by ``$uri`` alone, while it passes the client's Host on
+    because npm's tarball URLs are built from it (deploy/proxy.toml sets no
+    public_url): the packument built for one client's Host is given to the next
+    client. A request with ``Host: evil.example`` once a second keeps the cached copy
+    pointing everyone's tarballs at evil.example."""
+    from tests.nginx_lb import running_balancer
+    from tests.npm_registry import NpmRegistry, Tarball, start_registry
+    from tests.pg import free_port
+
+    _nginx_or_fail()
+    registry = NpmRegistry()
+    registry.publish(Tarball("left-pad", "1.0.0", b"\x1f\x8b not really a tarball", {}))
+    registry_server = start_registry(registry)
+    config = write_config(
+        tmp_path,
+        f"""
+        [storage]
+        path = "{tmp_path / "data"}"
+        [[repositories]]
+        name = "npm"
+        format = "npm"
+        upstream = "{registry.base_url}/"
+        """,
+    )
+    proxy = start_proxy(load(config, {}))
+    try:
+        with running_balancer(tmp_path / "nginx", free_port(), proxy.port) as lb:
+            accept = {"Accept": "application/json"}
+            with httpx.Client(timeout=30) as client:
+                evil = client.get(f"{lb}/npm/left-pad", headers={**accept, "Host": "evil.example"})
+                assert evil.status_code == 200
+                mine = client.get(f"{lb}/npm/left-pad", headers=accept)
+            tarball = mine.json()["versions"]["1.0.0"]["dist"]["tarball"]
+            assert tarball.startswith(f"{lb}/npm/left-pad/-/"), (
+                tarball,
+                mine.headers.get("x-cache-status"),
+            )
+    finally:
+        registry_server.stop()
+
+
+def test_the_balancer_never_answers_a_not_ready_replicas_readyz_with_an_old_ready(
+    tmp_path: Path, start_proxy: Any
+) -> None:
+    """``/readyz`` (and ``/healthz``, ``/metrics``) carry no Cache-Control, so nginx
+    keeps their 200 a second under ``$uri`` (``/readyz?scope=local`` and ``/readyz``
+    share it), and ``proxy_cache_use_stale ... http_503`` then answers a replica's
+    503 "not ready" with the old 200 "ready", however old, for a week."""
+    from tests.nginx_lb import running_balancer
+    from tests.pg import free_port
+    from tests.upstream import FakeUpstream, start_upstream
+
+    _nginx_or_fail()
+    upstream = FakeUpstream()
+    upstream_server = start_upstream(upstream)
+    from tests.conftest import pypi_config
+
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = start_proxy(load(config, {}))
+    try:
+        with running_balancer(tmp_path / "nginx", free_port(), proxy.port) as lb:
+            assert httpx.get(f"{lb}/readyz").status_code == 200
+            engine = proxy.server.lifespan.state["proxy"]
+
+            async def full_disk(min_free: Any) -> list[str]:
+                return ["storage: the disk is full"]
+
+            engine.storage.problems = full_disk
+            import time
+
+            time.sleep(2.1)  # nginx's second is over: it asks the replica
+            direct = httpx.get(f"{proxy.url}/readyz")
+            assert direct.status_code == 503
+            through = httpx.get(f"{lb}/readyz")
+            assert through.status_code == 503, (through.text, through.headers.get("x-cache-status"))
+    finally:
+        upstream.released.set()
+        upstream_server.stop()
+
+
+def test_access_lines_are_written_at_most_4000_bytes_at_a_time() -> None:
+    """``AccessLines`` says "at most 4,000 bytes a write, under a pipe's atomic size:
+    workers share stderr", but it writes once the batch has reached 4,000 bytes, with
+    the line that crossed it: a write may be up to 4,000 bytes plus a line (a lane
+    answer's line carries the whole target, query included, up to the 32 KiB head), so
+    two workers' batches can interleave mid-line on a pipe."""
+    import asyncio
+
+    from proxy.runtime.logs import ACCESS_BATCH_BYTES, AccessLines
+
+    class Recording:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> None:
+            self.writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = Recording()
+
+    async def log() -> None:
+        lines = AccessLines(stream, "text")  # type: ignore[arg-type]
+        for i in range(40):
+            lines.write(
+                "127.0.0.1", "GET", f"/pypi/files/alpha/{i}-" + "a" * 250, 200, 1, 0.1, "hit"
+            )
+        lines.flush()
+
+    asyncio.run(log())
+    assert "".join(stream.writes).count("\n") == 40
+    sizes = [len(w.encode()) for w in stream.writes]
+    assert max(sizes) <= ACCESS_BATCH_BYTES, sizes
+
+
+def test_metrics_include_every_workers_lane_answers_within_a_second(tmp_path: Path) -> None:
+    """With ``--workers 2`` the worker that renders /metrics flushes only its own lane;
+    the other worker's lane answers reach the scrape within a second, none lost."""
+    from tests.conftest import pypi_config
+    from tests.processes import ProxyProcess, metric_value
+    from tests.upstream import FakeUpstream, ProjectFile, start_upstream
+
+    upstream = FakeUpstream()
+    upstream_server = start_upstream(upstream)
+    f = ProjectFile("alpha-1.0-py3-none-any.whl", b"wheel" * 200)
+    upstream.add_project("alpha", [f])
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = ProxyProcess(config, tmp_path, "w2", workers=2).start().wait_ready()
+    path = f"/pypi/files/alpha/{f.filename}"
+    series = {"method": "GET", "repository": "pypi", "status": "200"}
+    try:
+        for _ in range(20):  # new connections: both workers file it
+            with httpx.Client(base_url=proxy.url) as client:
+                for _ in range(3):
+                    assert client.get(path).status_code == 200
+        import time
+
+        time.sleep(1.5)
+        before = metric_value(
+            httpx.get(proxy.url + "/metrics").text, "proxy_http_requests_total", **series
+        )
+        for _ in range(20):
+            with httpx.Client(base_url=proxy.url) as client:
+                for _ in range(5):
+                    assert client.get(path).status_code == 200
+        # The worker that renders /metrics adds its own lane's counts first; the other's
+        # come within a second (docs/architecture.md, "The hit lane").
+        deadline = time.monotonic() + 2.5
+        while True:
+            text = httpx.get(proxy.url + "/metrics").text
+            after = metric_value(text, "proxy_http_requests_total", **series)
+            if after - before >= 100 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert after - before == 100
+    finally:
+        proxy.stop()
+        upstream.released.set()
+        upstream_server.stop()
+
+
+def test_an_idle_keep_alive_connection_cannot_be_held_open_with_bare_crlfs(
+    pypi_lane: Any,
+) -> None:
+    """After a full-path answer, uvicorn's keep-alive timer is cancelled by any data
+    (``data_received``) and armed again only when a response completes, and our head
+    deadline starts only when a message begins (``on_message_begin``): bare CRLFs
+    (which the parser skips between messages) every few seconds keep the connection
+    open for ever, past both the 5 s keep-alive and the 10 s head timeout (slowloris).
+    After a lane answer the same bytes do not (the idle deadline ignores them)."""
+    import time
+
+    proxy, _path, _f = pypi_lane
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # the full path
+        data = b""
+        while not data.endswith(b"ok\n"):
+            data += sock.recv(65536)
+        started = time.monotonic()
+        closed = False
+        while time.monotonic() - started < 16:  # past keep-alive (5 s) and head (10 s)
+            time.sleep(2.5)
+            try:
+                sock.sendall(b"\r\n")
+            except OSError:
+                closed = True
+                break
+        assert closed, "the connection was kept open for 16 s by 2 bytes every 2.5 s"
