@@ -184,7 +184,8 @@ def test_a_stored_file_sent_by_sendfile_arrives_exact_and_leaves_no_descriptor(
     before = open_descriptors()
     served_before = proxy.metric("proxy_bytes_served_total", repository="files")
     request = b"GET /files/stored.bin HTTP/1.1\r\nHost: x\r\n\r\n"
-    readers, leavers = [], []
+    readers: list[socket.socket] = []
+    leavers: list[socket.socket] = []
     for i in range(10):
         sock = socket.socket()
         sock.settimeout(30)
