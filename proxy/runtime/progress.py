@@ -19,6 +19,42 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
+class BarProgress:
+    """What the commands' progress displays share: a bar redrawn in place on a terminal
+    (``tty``), plain lines otherwise (logs, CI). A subclass says how many items are done
+    (``counted``) and what the bar's text is (``status``)."""
+
+    def __init__(self, out: TextIO, tty: bool) -> None:
+        self.out = out
+        self.tty = tty
+        self.total = 0
+        self._drawn = False
+
+    def planned(self, items: int) -> None:
+        self.total += items
+        if self.tty:
+            self.draw("")
+
+    def finish(self) -> None:
+        if self.tty and self._drawn:
+            self.out.write("\n")
+            self.out.flush()
+
+    def draw(self, label: str) -> None:
+        redraw(self.out, self.counted(), self.total, self.status(label))
+        self._drawn = True
+
+    def line(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def counted(self) -> int:
+        raise NotImplementedError
+
+    def status(self, label: str) -> str:
+        raise NotImplementedError
+
+
 def redraw(out: TextIO, done: int, total: int, text: str) -> None:
     """Draw ``[####....] done/total  text`` over the terminal's current line."""
     total = max(total, done, 1)

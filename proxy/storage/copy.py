@@ -19,7 +19,7 @@ from typing import TextIO
 
 from proxy.exceptions import StorageError
 from proxy.runtime.blocking import run_blocking
-from proxy.runtime.progress import printable, redraw
+from proxy.runtime.progress import BarProgress, printable
 from proxy.storage.blobs import BlobStore, is_sha256, open_regular
 from proxy.storage.s3 import Bucket
 from proxy.units import human_size
@@ -47,20 +47,12 @@ class CopySummary:
         )
 
 
-class CopyProgress:
+class CopyProgress(BarProgress):
     """A bar redrawn in place on a terminal, a line per blob otherwise."""
 
     def __init__(self, out: TextIO, tty: bool) -> None:
-        self.out = out
-        self.tty = tty
-        self.total = 0
+        super().__init__(out, tty)
         self.summary = CopySummary()
-        self._drawn = False
-
-    def planned(self, blobs: int) -> None:
-        self.total = blobs
-        if self.tty:
-            self._draw("")
 
     def done(self, sha256: str, outcome: str, size: int, detail: str = "") -> None:
         s = self.summary
@@ -74,24 +66,19 @@ class CopyProgress:
         else:
             s.failed += 1
         if self.tty:
-            self._draw(sha256[:12])
+            self.draw(sha256[:12])
             if outcome in ("corrupt", "failed"):
                 self.out.write(f"\n{outcome} {sha256}: {printable(detail)}\n")
             return
         extra = f"  {printable(detail)}" if detail else ""
-        self.out.write(f"{outcome:<8} {sha256}  {human_size(size)}{extra}\n")
-        self.out.flush()
+        self.line(f"{outcome:<8} {sha256}  {human_size(size)}{extra}")
 
-    def finish(self) -> None:
-        if self.tty and self._drawn:
-            self.out.write("\n")
-            self.out.flush()
+    def counted(self) -> int:
+        return self.summary.done
 
-    def _draw(self, label: str) -> None:
+    def status(self, label: str) -> str:
         s = self.summary
-        text = f"copied {s.copied} ({human_size(s.bytes)})  there {s.present}  {label}"
-        redraw(self.out, s.done, self.total, text)
-        self._drawn = True
+        return f"copied {s.copied} ({human_size(s.bytes)})  there {s.present}  {label}"
 
 
 async def copy_folder(source: BlobStore, bucket: Bucket, progress: CopyProgress) -> CopySummary:
