@@ -243,6 +243,11 @@ def test_requests_the_lane_leaves_to_the_full_path(
         writer.close()
         return data
 
+    with httpx.Client() as client:
+        for i in range(3):  # a query string: never filed (no client sends one)
+            assert client.get(f"{proxy.url}{path}?spelling={i}").status_code == 200
+            assert client.get(f"{proxy.url}{path}?spelling={i}").status_code == 200
+    assert len(lane) == 1
     for request in (
         f"GET {path} HTTP/1.0\r\n\r\n",  # HTTP/1.0
         f"GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",

@@ -268,12 +268,13 @@ def _offer(
     state: Engine, scope: Scope, response: responses.BodyResponse, ticket: LaneTicket
 ) -> None:
     """File a GET's answer in the hit lane (``http/lane.py``), keyed by the request
-    target exactly as the protocol reads it."""
+    target exactly as the protocol reads it. Not with a query string: no client's
+    request for a file or a page has one, and a query of anyone's choosing would file
+    one copy per spelling (and push the answers that matter out)."""
     assert state.lane is not None
+    if scope.get("query_string"):
+        return
     target = scope.get("raw_path") or scope["path"].encode()
-    query = scope.get("query_string", b"")
-    if query:
-        target = b"%s?%s" % (target, query)
     state.lane.offer(
         target, scope["headers"], "GET", response.status, response.headers, response.body, ticket
     )
