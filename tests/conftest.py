@@ -258,3 +258,24 @@ def debian_maven_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return copy_with_checksums(tmp_path_factory.mktemp("maven-repo"))
     except MissingMavenRepo as exc:
         pytest.fail(str(exc))
+
+
+# -- nothing written into the checkout --------------------------------------------------
+
+CHECKOUT_DATA = Path(__file__).resolve().parent.parent / "data"
+_DATA_BEFORE = pytest.StashKey[bool]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_DATA_BEFORE] = CHECKOUT_DATA.exists()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A test that starts a proxy with default settings in the checkout writes its
+    catalog to ./data (a stale one from an older schema then failed later runs): the
+    run fails, naming it. Only the main process judges (xdist's workers share it)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    if not session.config.stash.get(_DATA_BEFORE, True) and CHECKOUT_DATA.exists():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\na test wrote {CHECKOUT_DATA}: give its proxy a storage.path or a cwd of its own")

@@ -500,9 +500,12 @@ def test_an_aws_profile_or_region_from_the_environment_that_is_wrong_stops_the_s
     ):
         argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config)]
         argv += ["--listen", "127.0.0.1:0"]
+        # In the test's folder: with no database.url the catalog is <storage.path>, by
+        # default ./data, which was the checkout's own (a stale one failed later runs).
         done = subprocess.run(
-            argv, capture_output=True, text=True, env={**base, **extra}, timeout=120
-        )
+            argv, capture_output=True, text=True, env={**base, **extra}, timeout=120,
+            cwd=tmp_path,
+        )  # fmt: skip
         assert done.returncode == 1, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
         last = done.stderr.strip().splitlines()[-1]

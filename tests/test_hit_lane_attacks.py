@@ -5,6 +5,7 @@ path would, or to keep a connection, a log write or a count from what the docs s
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from proxy.http.lane import HitLane
 from proxy.http.protocol import GuardedHttpToolsProtocol
 from proxy.testing import MemoryCatalog
 from proxy.testing.upstream import MockUpstream
-from tests.conftest import write_config
+from tests.conftest import ProxyFactory, write_config
+from tests.test_gradle_cache import CI, cache_config
 from tests.test_npm import REGISTRY, Upstream
 from tests.upstream import ServerThread
 
@@ -554,3 +556,140 @@ def test_an_idle_keep_alive_connection_cannot_be_held_open_with_bare_crlfs(
                 closed = True
                 break
         assert closed, "the connection was kept open for 16 s by 2 bytes every 2.5 s"
+
+
+# -- a second review's findings ---------------------------------------------------------
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+# -- 1. the idle deadline cuts an upload whose answer was sent before its body -----------
+
+
+def test_an_upload_refused_before_its_body_is_not_cut_by_the_keep_alive_deadline(
+    tmp_path: Path, start_proxy: ProxyFactory
+) -> None:
+    """A PUT without credentials is answered 401 before its body is read; the protocol
+    skips the rest of the body (up to 64 MiB) "so the client can finish sending and read
+    the answer" (http/protocol.py). Since the bare-CRLF fix, ``on_response_complete``
+    arms the idle keep-alive deadline (5 s) as soon as the 401 is sent, and nothing the
+    body brings moves it: an upload still arriving 5 s after the answer has its
+    connection closed under it (uvicorn's own timer was cancelled by every byte)."""
+    config = write_config(tmp_path, cache_config(tmp_path / "data"))
+    proxy = start_proxy(load(config, {"CI_PASSWORD": CI[1]}))
+    keep_alive = proxy.config.timeout_keep_alive
+    size = 600_000  # under max_entry_size (1 MB): the answer is the 401
+    chunks = 8
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(
+            b"PUT /gradle-cache/k HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
+        )
+        # A slow uplink: the body takes keep_alive + 3 s, sent all the while.
+        pause = (keep_alive + 3) / chunks
+        try:
+            for _ in range(chunks):
+                time.sleep(pause)
+                sock.sendall(b"x" * (size // chunks))
+            answer = _read_answer(sock)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            after = _read_answer(sock)
+        except OSError as exc:
+            pytest.fail(f"the connection was closed under the upload: {exc!r}")
+    assert answer.startswith(b"HTTP/1.1 401 ")
+    assert after.startswith(b"HTTP/1.1 200 ")
+
+
+# -- 2. a copy per spelling: percent-escapes do what the query string did ---------------
+
+
+@pytest.fixture
+def pypi_wheel(tmp_path: Path, start_proxy: ProxyFactory) -> Any:
+    from tests.conftest import pypi_config
+    from tests.upstream import FakeUpstream, ProjectFile, start_upstream
+
+    upstream = FakeUpstream()
+    upstream_server = start_upstream(upstream)
+    f = ProjectFile("alpha-1.0-py3-none-any.whl", b"wheel" * 2000)
+    upstream.add_project("alpha", [f])
+    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
+    proxy = start_proxy(load(config, {}))
+    path = f"/pypi/files/alpha/{f.filename}"
+    with httpx.Client(base_url=proxy.url) as client:
+        for _ in range(3):
+            assert client.get(path).status_code == 200
+    assert len(lane_of(proxy)) == 1
+    yield proxy, path, f
+    upstream.released.set()
+    upstream_server.stop()
+
+
+def test_percent_escaped_spellings_of_one_target_do_not_each_file_a_copy(
+    pypi_wheel: Any,
+) -> None:
+    """2ea3131 stopped filing targets with a query string: "a query of anyone's choosing
+    filed a copy per spelling, pushing the answers that matter out". A path spelled
+    with escapes does the same: ``/pypi/files/alpha/alpha%2D1.0-...`` is the same file
+    to the full path (``decode_path``), but the lane keys the target as sent, so every
+    escaped spelling (2 per character: 2^n of them) files another copy of the body,
+    and the oldest-filed targets (the answers that matter) are pushed out."""
+    proxy, path, f = pypi_wheel
+    lane = lane_of(proxy)
+    spellings = []
+    name = f.filename
+    for i, char in enumerate(name[:12]):
+        spellings.append(path[: -len(name)] + name[:i] + f"%{ord(char):02X}" + name[i + 1 :])
+    for spelled in spellings:
+        request = f"GET {spelled} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        for _ in range(2):
+            answer = raw_get(proxy.port, request)
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(f.body)
+    assert len(lane) == 1, f"{len(lane)} copies of one answer, {lane.size_bytes} bytes"
+
+
+# -- 3. pipelined hits counted as one request head ----------------------------------------
+
+
+def test_pipelined_lane_hits_are_not_counted_as_one_oversized_head(pypi_wheel: Any) -> None:
+    """``data_received`` adds the whole chunk read to ``_head_bytes`` when a head is
+    still incomplete after it, also the bytes of the complete requests before that
+    head in the chunk (which the lane has just answered): a client that pipelines 40 KB
+    of small GETs gets a 431 and is disconnected, for heads of 100 bytes each. (Older
+    than the lane: the protocol before 346198a fails it too; the lane invites the
+    pipelining.)"""
+    proxy, path, _f = pypi_wheel
+    one = f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    count = 40_000 // len(one)
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(one * count + b"GET /healthz HTTP/1.1\r\nHo")
+        time.sleep(0.5)
+        sock.sendall(b"st: x\r\n\r\n")
+        data = b""
+        try:
+            while not data.endswith(b"ok\n"):
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+        except ConnectionResetError:
+            pass  # closed with our bytes unread: after a 431, if it got to us first
+    assert b" 431 " not in data, data[data.find(b" 431 ") - 20 :][:200]
+    assert data.count(b"HTTP/1.1 200 OK") == count + 1

@@ -34,7 +34,12 @@ from proxy.exceptions import CatalogError, ConfigError, NotConfigured, NotFound
 from proxy.http import errors, responses
 from proxy.http.access_log import AccessLogMiddleware
 from proxy.http.lane import TICKET, LaneTicket
-from proxy.http.paths import check_headers, request_headers, split_path
+from proxy.http.paths import (
+    check_headers,
+    escapes_only_what_it_must,
+    request_headers,
+    split_path,
+)
 from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
@@ -270,11 +275,14 @@ def _offer(
     """File a GET's answer in the hit lane (``http/lane.py``), keyed by the request
     target exactly as the protocol reads it. Not with a query string: no client's
     request for a file or a page has one, and a query of anyone's choosing would file
-    one copy per spelling (and push the answers that matter out)."""
+    one copy per spelling (and push the answers that matter out). Nor a path escaping
+    what needs no escape."""
     assert state.lane is not None
     if scope.get("query_string"):
         return
     target = scope.get("raw_path") or scope["path"].encode()
+    if not escapes_only_what_it_must(target):
+        return  # another spelling of a path: likewise
     state.lane.offer(
         target, scope["headers"], "GET", response.status, response.headers, response.body, ticket
     )

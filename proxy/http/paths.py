@@ -13,7 +13,7 @@ spelled with escapes must be refused just like a literal one.
 from __future__ import annotations
 
 import re
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 from proxy.exceptions import BadRequest, HeadersTooLarge, UriTooLong
 
@@ -69,6 +69,30 @@ def decode_segment(segment: str) -> str:
     if value in (".", "..") or any(c in value for c in "/\\") or not value.isprintable():
         raise BadRequest(f"path segment {segment!r} is not allowed (traversal or control)")
     return value
+
+
+# What a path segment may hold unescaped (RFC 3986's pchar, but "%").
+_PCHAR_SAFE = "!$&'()*+,;=:@-._~"
+
+
+def escapes_only_what_it_must(raw_path: bytes) -> bool:
+    """Does ``raw_path`` escape nothing a segment may hold as is? ``/a%2Db`` does not
+    (``-`` needs no escape); ``/@scope%2fname`` does (its slash must be escaped). Every
+    other spelling of a path names the same thing to the formats (they decode it), so a
+    cache keyed by the raw path keeps this one only (``http/lane.py``). The case of an
+    escape's hex digits is not judged."""
+    try:
+        text = raw_path.decode("ascii")
+    except UnicodeDecodeError:
+        return False
+    if "%" not in text:
+        return True
+    for segment in text.split("/"):
+        if "%" in segment:
+            canonical = quote(unquote(segment, errors="replace"), safe=_PCHAR_SAFE)
+            if canonical.lower() != segment.lower():
+                return False
+    return True
 
 
 def base_url(scheme: str, host: str | None, root_path: str, repository: str) -> str:

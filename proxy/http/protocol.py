@@ -60,6 +60,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # A refusal for a pipelined head, held until the response being sent is complete.
     _pending_refusal: tuple[int, str] | None = None
     _skipped_body_bytes = 0  # of this request's body, after its answer
+    _message_done = True  # the request's whole message (its body too) has arrived
+    _began_here = False  # a message began in the chunk being parsed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -73,9 +75,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self._began_here = False
         super().data_received(data)
         if self._in_head and not self.transport.is_closing():
-            self._head_bytes += len(data)
+            # The bytes of a head that began in this chunk are not counted: the chunk
+            # also holds the requests before it (pipelined), which are no part of it.
+            # So a head may grow one read (uvloop's, 256 KiB) past the limit.
+            if not self._began_here:
+                self._head_bytes += len(data)
+            else:
+                self._head_bytes = max(self._head_bytes, 1)  # begun: not an idle line
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, f"the request head is over {MAX_HEAD_BYTES} bytes")
 
@@ -86,8 +95,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.expect_100_continue = False
         self.headers = []
         self._skipped_body_bytes = 0
+        self._message_done = False
+        self._began_here = True
         if not self._in_head:
             self._begin_head()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._message_done = True
+        if (
+            not self._in_head
+            and not self._responding()
+            and not self.pipeline
+            and not self.transport.is_closing()
+        ):
+            # Answered before its body had all arrived (a refused upload, read to the
+            # end so the client reads the answer): idle from now on.
+            self._set_deadline(self.timeout_keep_alive, idle=True)
 
     def _new_scope(self) -> Any:
         """The request's scope as uvicorn's on_message_begin makes it."""
@@ -188,9 +212,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._set_deadline(HEAD_TIMEOUT_S, idle=False)
         elif not self._in_head and not self.pipeline:
             # Idle until a request begins: uvicorn's keep-alive timer stopped at any
-            # byte, so a client sending bare CRLFs kept the connection for ever.
+            # byte, so a client sending bare CRLFs kept the connection for ever. Not
+            # while the body of the request just answered still arrives (it is skipped
+            # to its end: on_message_complete starts the wait then).
             self._unset_keepalive_if_required()
-            self._set_deadline(self.timeout_keep_alive, idle=True)
+            if self._message_done:
+                self._set_deadline(self.timeout_keep_alive, idle=True)
 
     def _responding(self) -> bool:
         """Is a response still being sent on this connection?"""
