@@ -101,8 +101,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._begin_head()
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
         self._message_done = True
+        if self.cycle is _ANSWERED:
+            return  # the hit lane answered it (no body) and set its idle wait
+        super().on_message_complete()
         if (
             not self._in_head
             and not self._responding()
