@@ -693,3 +693,127 @@ def test_pipelined_lane_hits_are_not_counted_as_one_oversized_head(pypi_wheel: A
             pass  # closed with our bytes unread: after a 431, if it got to us first
     assert b" 431 " not in data, data[data.find(b" 431 ") - 20 :][:200]
     assert data.count(b"HTTP/1.1 200 OK") == count + 1
+
+
+# -- a third review's findings ------------------------------------------------------------
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Has the server closed ``sock`` (reading whatever it still sends) in time?"""
+    sock.settimeout(0.5)
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends:
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_a_body_that_never_comes_or_trickles_after_its_answer_does_not_hold_the_connection(
+    pypi_wheel: Any,
+) -> None:
+    """The keep-alive wait starts once an answered request's body has all arrived (so a
+    refused upload is not cut while it is sent, above); a body that never comes held its
+    connection for ever, as did one trickled a byte at a time: one cheap request per
+    connection could hold them all. The rest of a skipped body must keep coming."""
+    from proxy.http.protocol import HEAD_TIMEOUT_S
+
+    proxy, path, _f = pypi_wheel
+    heads = {
+        "a refused upload, no body": b"PUT /pypi/simple/alpha/ HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: 1000000\r\n\r\n",
+        "a refused chunked upload, one chunk": b"PUT /pypi/simple/alpha/ HTTP/1.1\r\n"
+        b"Host: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        "a lane hit with a body announced": f"GET {path} HTTP/1.1\r\nHost: x\r\n"
+        "Content-Length: 1000\r\n\r\n".encode(),
+        "a full-path answer with Expect": b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+        b"Expect: 100-continue\r\nContent-Length: 10\r\n\r\n",
+        "a refused upload, trickled": b"PUT /pypi/simple/alpha/ HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: 1000000\r\n\r\n",
+    }
+    socks = {}
+    try:
+        for name, head in heads.items():
+            sock = socket.create_connection(("127.0.0.1", proxy.port))
+            sock.sendall(head)
+            socks[name] = sock
+        time.sleep(1)
+        for sock in socks.values():
+            sock.settimeout(5)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 "), "no answer"
+        trickled = socks["a refused upload, trickled"]
+        started = time.monotonic()
+        for _ in range(int(HEAD_TIMEOUT_S) + 6):  # a byte a second, past the allowance
+            try:
+                trickled.sendall(b"x")
+            except OSError:
+                break
+            time.sleep(1)
+        left = HEAD_TIMEOUT_S + 8 - (time.monotonic() - started)
+        still_open = [name for name, sock in socks.items() if not _closed_within(sock, left)]
+        assert not still_open, f"still open {HEAD_TIMEOUT_S + 8:.0f} s on: {still_open}"
+    finally:
+        for sock in socks.values():
+            sock.close()
+
+
+def test_a_websocket_upgrade_after_a_lane_answer_gets_what_it_gets_alone(
+    pypi_wheel: Any,
+) -> None:
+    """After a lane answer the connection's cycle is the lane's marker, which uvicorn
+    leaves in place for an upgrade request (it makes no cycle of its own): reading its
+    scope raised in the parser callback, and the client got 400 "Invalid HTTP request"
+    instead of the answer it gets on a fresh connection."""
+    proxy, path, f = pypi_wheel
+    upgrade = (
+        b"GET /pypi/simple/alpha/ HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\n\r\n"
+    )
+
+    def status_line(data: bytes) -> bytes:
+        return data.split(b"\r\n", 1)[0]
+
+    alone = raw_get(proxy.port, upgrade)
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        first = _read_answer(sock)
+        sock.sendall(upgrade)
+        data = b""
+        while b"\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(f.body)
+    assert status_line(data) == status_line(alone), (data[:200], alone[:200])
+
+
+def test_a_head_half_sent_behind_a_full_path_answer_gets_its_408(pypi_wheel: Any) -> None:
+    """A head that began in the same read as the request before it starts its 10 s when
+    that request's answer ends, and is then answered 408 (docs/architecture.md, "Slow
+    and hostile clients"). Behind a full-path answer, uvicorn's keep-alive timer (5 s),
+    armed as that answer ended, closed the connection first with no answer."""
+    from proxy.http.protocol import HEAD_TIMEOUT_S
+
+    proxy, path, _f = pypi_wheel
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.settimeout(HEAD_TIMEOUT_S + 5)
+        started = time.monotonic()
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + f"GET {path} HTTP/1.1\r\nHo".encode()
+        )
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        waited = time.monotonic() - started
+    assert data.startswith(b"HTTP/1.1 200 "), data[:200]
+    assert b"HTTP/1.1 408 " in data, (round(waited, 1), data[-200:])

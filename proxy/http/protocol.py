@@ -13,8 +13,9 @@ and hostile clients").
   line of any length in memory).
 - A request body still arriving after its answer was sent (an upload refused with a
   401 or 413 before it was read) is skipped, so the client can finish sending and read
-  the answer, but at most ``MAX_SKIPPED_BODY_BYTES`` of it: past that the connection is
-  closed.
+  the answer, but at most ``MAX_SKIPPED_BODY_BYTES`` of it, and only while it keeps
+  coming: ``HEAD_TIMEOUT_S`` plus a second per ``MIN_SKIPPED_BODY_RATE`` bytes skipped,
+  from the answer's end. Past either the connection is closed.
 
 It also offers responses a zero-copy path (``SocketFileSender``, in the request scope's
 extensions as ``SENDFILE_EXTENSION``): bytes of a file go from the page cache to the
@@ -40,6 +41,7 @@ SENDFILE_EXTENSION = "proxy.sendfile"
 HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 32 * 1024
 MAX_SKIPPED_BODY_BYTES = 64 * 1024 * 1024
+MIN_SKIPPED_BODY_RATE = 64 * 1024  # bytes per second, on average
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 # A connection whose answers are not being read (this much is waiting in the transport)
 # is answered by the full path, whose writes wait for the client, not the hit lane.
@@ -60,6 +62,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # A refusal for a pipelined head, held until the response being sent is complete.
     _pending_refusal: tuple[int, str] | None = None
     _skipped_body_bytes = 0  # of this request's body, after its answer
+    _skip_began: float | None = None  # when the body's skipping began (its answer's end)
     _message_done = True  # the request's whole message (its body too) has arrived
     _began_here = False  # a message began in the chunk being parsed
 
@@ -95,6 +98,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.expect_100_continue = False
         self.headers = []
         self._skipped_body_bytes = 0
+        self._skip_began = None
         self._message_done = False
         self._began_here = True
         if not self._in_head:
@@ -103,7 +107,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._message_done = True
         if self.cycle is _ANSWERED:
-            return  # the hit lane answered it (no body) and set its idle wait
+            # The hit lane answered it and set its idle wait, unless a body followed.
+            if self._skip_began is not None and not self.transport.is_closing():
+                self._set_deadline(self.timeout_keep_alive, idle=True)
+            return
         super().on_message_complete()
         if (
             not self._in_head
@@ -135,6 +142,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._skipped_body_bytes += len(body)
             if self._skipped_body_bytes > MAX_SKIPPED_BODY_BYTES:
                 self.transport.close()
+            else:
+                self._skip_body_deadline()
         super().on_body(body)
 
     def on_headers_complete(self) -> None:
@@ -145,7 +154,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.scope = self._new_scope()
         super().on_headers_complete()
         # The app's task has been created, not run yet: it finds the sender in its scope.
-        if self.cycle is None or self.cycle.scope is not self.scope:
+        cycle = self.cycle
+        if cycle is None or cycle is _ANSWERED or cycle.scope is not self.scope:
             return  # an upgrade request: no cycle of its own
         sender = SocketFileSender.of(self.transport, self.cycle)
         if sender is not None:
@@ -207,6 +217,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self.transport.is_closing():
             return
+        # Our deadline watches this connection from here: uvicorn's keep-alive timer,
+        # armed when no request is queued, would cut a head that is half here.
+        self._unset_keepalive_if_required()
         if self._pending_refusal is not None:
             self._refuse(*self._pending_refusal)
         elif self._in_head and self._deadline is None:
@@ -215,11 +228,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         elif not self._in_head and not self.pipeline:
             # Idle until a request begins: uvicorn's keep-alive timer stopped at any
             # byte, so a client sending bare CRLFs kept the connection for ever. Not
-            # while the body of the request just answered still arrives (it is skipped
-            # to its end: on_message_complete starts the wait then).
-            self._unset_keepalive_if_required()
+            # while the body of the request just answered still arrives: it is skipped
+            # while it keeps coming, and on_message_complete starts the wait after it.
             if self._message_done:
                 self._set_deadline(self.timeout_keep_alive, idle=True)
+            else:
+                self._skip_body_deadline()
+
+    def _skip_body_deadline(self) -> None:
+        """The rest of an answered request's body must keep coming: within
+        ``HEAD_TIMEOUT_S`` of the answer's end, plus a second per
+        ``MIN_SKIPPED_BODY_RATE`` bytes skipped since (a body that never comes, or comes
+        a byte at a time, would hold the connection for ever)."""
+        now = self.loop.time()
+        if self._skip_began is None:
+            self._skip_began = now
+        allowed = HEAD_TIMEOUT_S + self._skipped_body_bytes / MIN_SKIPPED_BODY_RATE
+        self._set_deadline(self._skip_began + allowed - now, idle=True)
 
     def _responding(self) -> bool:
         """Is a response still being sent on this connection?"""
