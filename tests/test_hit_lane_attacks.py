@@ -817,3 +817,31 @@ def test_a_head_half_sent_behind_a_full_path_answer_gets_its_408(pypi_wheel: Any
         waited = time.monotonic() - started
     assert data.startswith(b"HTTP/1.1 200 "), data[:200]
     assert b"HTTP/1.1 408 " in data, (round(waited, 1), data[-200:])
+
+
+def test_a_refused_upload_from_a_slow_uplink_is_still_read_to_its_end(
+    tmp_path: Path, start_proxy: ProxyFactory
+) -> None:
+    """The skipped body's pace (``MIN_SKIPPED_BODY_RATE``) is a floor an attacker must
+    pay, not one a slow client falls under: at 20 KB/s (160 kbit/s) a refused upload of
+    18 s is read to its end and its 401 read after it (at 64 KiB/s, the first floor,
+    it was cut at 14 s and the client saw a broken pipe instead)."""
+    config = write_config(tmp_path, cache_config(tmp_path / "data"))
+    proxy = start_proxy(load(config, {"CI_PASSWORD": CI[1]}))
+    size, seconds = 360_000, 18
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(
+            b"PUT /gradle-cache/k HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
+        )
+        try:
+            for _ in range(seconds):
+                time.sleep(1)
+                sock.sendall(b"x" * (size // seconds))
+            answer = _read_answer(sock)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            after = _read_answer(sock)
+        except OSError as exc:
+            pytest.fail(f"the connection was closed under the slow upload: {exc!r}")
+    assert answer.startswith(b"HTTP/1.1 401 ")
+    assert after.startswith(b"HTTP/1.1 200 ")

@@ -41,7 +41,7 @@ SENDFILE_EXTENSION = "proxy.sendfile"
 HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 32 * 1024
 MAX_SKIPPED_BODY_BYTES = 64 * 1024 * 1024
-MIN_SKIPPED_BODY_RATE = 64 * 1024  # bytes per second, on average
+MIN_SKIPPED_BODY_RATE = 16 * 1024  # bytes per second, on average: 128 kbit/s
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 # A connection whose answers are not being read (this much is waiting in the transport)
 # is answered by the full path, whose writes wait for the client, not the hit lane.
