@@ -277,6 +277,15 @@ def tier_path(tmp_path: Path, replica: str, body: bytes) -> Path:
     return tmp_path / f"local-{replica}" / "blobs" / sha[:2] / sha[2:4] / sha
 
 
+def wait_for_whole_copy(copy: Path, body: bytes) -> None:
+    """A local copy joins the tier just after its last byte is released to the client:
+    a moment after the client has it all."""
+    deadline = time.monotonic() + 30
+    while not (copy.is_file() and not copy.is_symlink() and copy.read_bytes() == body):
+        assert time.monotonic() < deadline, f"no good local copy at {copy}"
+        time.sleep(0.02)
+
+
 def unblock_fifo(path: Path) -> None:
     """Let a reader blocked opening the FIFO at ``path`` go (so a failing test ends)."""
     try:
@@ -316,8 +325,7 @@ def test_a_local_copy_damaged_under_a_running_replica_is_read_from_the_bucket_ag
         assert got.status_code == 200 and got.content == body, url
     assert requests("get") - before == 2, "each damaged copy is read from the bucket again"
     for _url, body in files:
-        copy = tier_path(tmp_path, "a", body)
-        assert not copy.is_symlink() and copy.read_bytes() == body, "the copy is whole again"
+        wait_for_whole_copy(tier_path(tmp_path, "a", body), body)
     before = requests()
     for url, body in files:
         assert httpx.get(a.url + url).content == body
@@ -370,11 +378,6 @@ def test_a_local_cache_holding_junk_links_and_a_fifo_at_start_serves_only_the_bl
     finally:
         unblock_fifo(fifo)
     for body in names.values():
-        copy = tier_path(tmp_path, "b", body)
-        # The copy joins the tier just after its last byte is released to the client.
-        deadline = time.monotonic() + 30
-        while not (copy.is_file() and not copy.is_symlink() and copy.read_bytes() == body):
-            assert time.monotonic() < deadline, f"no good local copy at {copy}"
-            time.sleep(0.02)
+        wait_for_whole_copy(tier_path(tmp_path, "b", body), body)
     assert len(other.read_bytes()) == MiB, "the link's target was never written"
     assert sum(upstream.count(f"/releases/{name}.bin") for name in names) == len(names)
