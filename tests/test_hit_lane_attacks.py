@@ -21,6 +21,7 @@ from proxy.http.protocol import GuardedHttpToolsProtocol
 from proxy.testing import MemoryCatalog
 from proxy.testing.upstream import MockUpstream
 from tests.conftest import ProxyFactory, write_config
+from tests.rawhttp import read_response
 from tests.test_gradle_cache import CI, cache_config
 from tests.test_npm import REGISTRY, Upstream
 from tests.upstream import ServerThread
@@ -32,30 +33,18 @@ def lane_of(proxy: ServerThread) -> HitLane:
     return lane
 
 
-def raw_get(port: int, request: bytes) -> bytes:
-    """One request on a fresh connection (kept alive); the whole answer."""
+def next_answer(sock: socket.socket) -> bytes:
+    """The next answer on a kept-alive connection, head and body, as sent."""
+    head, body, _rest = read_response(sock)
+    return head + b"\r\n\r\n" + body
+
+
+def one_answer(port: int, request: bytes) -> bytes:
+    """The answer to one request on a fresh connection (kept alive)."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(10)
         sock.sendall(request)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            assert chunk, data
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = next(
-            (
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            ),
-            0,
-        )
-        while len(body) < length:
-            chunk = sock.recv(65536)
-            assert chunk
-            body += chunk
-        return head + b"\r\n\r\n" + body
+        return next_answer(sock)
 
 
 def start_npm(
@@ -103,8 +92,8 @@ def test_npm_version_document_built_with_one_clients_host_is_never_sent_to_anoth
     lane = lane_of(server)
     path = "/npm/left-pad/1.0.0"
     evil = f"GET {path} HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n".encode()
-    raw_get(server.port, evil)  # the miss (the packument is fetched)
-    evil_answer = raw_get(server.port, evil)  # a full-path hit: built with its Host
+    one_answer(server.port, evil)  # the miss (the packument is fetched)
+    evil_answer = one_answer(server.port, evil)  # a full-path hit: built with its Host
     assert len(lane) == 0, "an answer naming the client's own URL was filed"
     assert b"\r\nvary: host, x-forwarded-proto\r\n" in evil_answer.lower()
     with httpx.Client(base_url=server.url) as client:
@@ -280,7 +269,8 @@ def test_a_release_decision_made_for_a_while_is_made_again_for_the_lane_too(
 
 
 @pytest.fixture
-def pypi_lane(tmp_path: Path, start_proxy: Any) -> Any:
+def pypi_lane(tmp_path: Path, start_proxy: ProxyFactory) -> Any:
+    """A PyPI proxy whose lane holds one wheel's answer: (proxy, its path, the file)."""
     from tests.conftest import pypi_config
     from tests.upstream import FakeUpstream, ProjectFile, start_upstream
 
@@ -307,9 +297,9 @@ def test_request_headers_over_the_apps_limit_get_its_431_not_a_lane_answer(pypi_
     proxy, path, _f = pypi_lane
     big = "x" * 20_000
     request = f"GET {path} HTTP/1.1\r\nHost: a\r\nX-Big: {big}\r\n"
-    full = raw_get(proxy.port, (request + "Connection: close\r\n\r\n").encode())
+    full = one_answer(proxy.port, (request + "Connection: close\r\n\r\n").encode())
     assert full.startswith(b"HTTP/1.1 431 ")
-    laned = raw_get(proxy.port, (request + "\r\n").encode())
+    laned = one_answer(proxy.port, (request + "\r\n").encode())
     assert laned.startswith(b"HTTP/1.1 431 "), laned[:40]
 
 
@@ -561,25 +551,6 @@ def test_an_idle_keep_alive_connection_cannot_be_held_open_with_bare_crlfs(
 # -- a second review's findings ---------------------------------------------------------
 
 
-def _read_answer(sock: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk
-        body += chunk
-    return head + b"\r\n\r\n" + body
-
-
 # -- 1. the idle deadline cuts an upload whose answer was sent before its body -----------
 
 
@@ -608,9 +579,9 @@ def test_an_upload_refused_before_its_body_is_not_cut_by_the_keep_alive_deadline
             for _ in range(chunks):
                 time.sleep(pause)
                 sock.sendall(b"x" * (size // chunks))
-            answer = _read_answer(sock)
+            answer = next_answer(sock)
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            after = _read_answer(sock)
+            after = next_answer(sock)
         except OSError as exc:
             pytest.fail(f"the connection was closed under the upload: {exc!r}")
     assert answer.startswith(b"HTTP/1.1 401 ")
@@ -620,29 +591,8 @@ def test_an_upload_refused_before_its_body_is_not_cut_by_the_keep_alive_deadline
 # -- 2. a copy per spelling: percent-escapes do what the query string did ---------------
 
 
-@pytest.fixture
-def pypi_wheel(tmp_path: Path, start_proxy: ProxyFactory) -> Any:
-    from tests.conftest import pypi_config
-    from tests.upstream import FakeUpstream, ProjectFile, start_upstream
-
-    upstream = FakeUpstream()
-    upstream_server = start_upstream(upstream)
-    f = ProjectFile("alpha-1.0-py3-none-any.whl", b"wheel" * 2000)
-    upstream.add_project("alpha", [f])
-    config = write_config(tmp_path, pypi_config(tmp_path / "data", upstream.base_url))
-    proxy = start_proxy(load(config, {}))
-    path = f"/pypi/files/alpha/{f.filename}"
-    with httpx.Client(base_url=proxy.url) as client:
-        for _ in range(3):
-            assert client.get(path).status_code == 200
-    assert len(lane_of(proxy)) == 1
-    yield proxy, path, f
-    upstream.released.set()
-    upstream_server.stop()
-
-
 def test_percent_escaped_spellings_of_one_target_do_not_each_file_a_copy(
-    pypi_wheel: Any,
+    pypi_lane: Any,
 ) -> None:
     """2ea3131 stopped filing targets with a query string: "a query of anyone's choosing
     filed a copy per spelling, pushing the answers that matter out". A path spelled
@@ -650,7 +600,7 @@ def test_percent_escaped_spellings_of_one_target_do_not_each_file_a_copy(
     to the full path (``decode_path``), but the lane keys the target as sent, so every
     escaped spelling (2 per character: 2^n of them) files another copy of the body,
     and the oldest-filed targets (the answers that matter) are pushed out."""
-    proxy, path, f = pypi_wheel
+    proxy, path, f = pypi_lane
     lane = lane_of(proxy)
     spellings = []
     name = f.filename
@@ -659,7 +609,7 @@ def test_percent_escaped_spellings_of_one_target_do_not_each_file_a_copy(
     for spelled in spellings:
         request = f"GET {spelled} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
         for _ in range(2):
-            answer = raw_get(proxy.port, request)
+            answer = one_answer(proxy.port, request)
             assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(f.body)
     assert len(lane) == 1, f"{len(lane)} copies of one answer, {lane.size_bytes} bytes"
 
@@ -667,14 +617,14 @@ def test_percent_escaped_spellings_of_one_target_do_not_each_file_a_copy(
 # -- 3. pipelined hits counted as one request head ----------------------------------------
 
 
-def test_pipelined_lane_hits_are_not_counted_as_one_oversized_head(pypi_wheel: Any) -> None:
+def test_pipelined_lane_hits_are_not_counted_as_one_oversized_head(pypi_lane: Any) -> None:
     """``data_received`` adds the whole chunk read to ``_head_bytes`` when a head is
     still incomplete after it, also the bytes of the complete requests before that
     head in the chunk (which the lane has just answered): a client that pipelines 40 KB
     of small GETs gets a 431 and is disconnected, for heads of 100 bytes each. (Older
     than the lane: the protocol before 346198a fails it too; the lane invites the
     pipelining.)"""
-    proxy, path, _f = pypi_wheel
+    proxy, path, _f = pypi_lane
     one = f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
     count = 40_000 // len(one)
     with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
@@ -714,7 +664,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
 
 
 def test_a_body_that_never_comes_or_trickles_after_its_answer_does_not_hold_the_connection(
-    pypi_wheel: Any,
+    pypi_lane: Any,
 ) -> None:
     """The keep-alive wait starts once an answered request's body has all arrived (so a
     refused upload is not cut while it is sent, above); a body that never comes held its
@@ -722,7 +672,7 @@ def test_a_body_that_never_comes_or_trickles_after_its_answer_does_not_hold_the_
     connection could hold them all. The rest of a skipped body must keep coming."""
     from proxy.http.protocol import HEAD_TIMEOUT_S
 
-    proxy, path, _f = pypi_wheel
+    proxy, path, _f = pypi_lane
     heads = {
         "a refused upload, no body": b"PUT /pypi/simple/alpha/ HTTP/1.1\r\nHost: x\r\n"
         b"Content-Length: 1000000\r\n\r\n",
@@ -762,13 +712,13 @@ def test_a_body_that_never_comes_or_trickles_after_its_answer_does_not_hold_the_
 
 
 def test_a_websocket_upgrade_after_a_lane_answer_gets_what_it_gets_alone(
-    pypi_wheel: Any,
+    pypi_lane: Any,
 ) -> None:
     """After a lane answer the connection's cycle is the lane's marker, which uvicorn
     leaves in place for an upgrade request (it makes no cycle of its own): reading its
     scope raised in the parser callback, and the client got 400 "Invalid HTTP request"
     instead of the answer it gets on a fresh connection."""
-    proxy, path, f = pypi_wheel
+    proxy, path, f = pypi_lane
     upgrade = (
         b"GET /pypi/simple/alpha/ HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
         b"Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
@@ -778,11 +728,11 @@ def test_a_websocket_upgrade_after_a_lane_answer_gets_what_it_gets_alone(
     def status_line(data: bytes) -> bytes:
         return data.split(b"\r\n", 1)[0]
 
-    alone = raw_get(proxy.port, upgrade)
+    alone = one_answer(proxy.port, upgrade)
     with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
         sock.settimeout(10)
         sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        first = _read_answer(sock)
+        first = next_answer(sock)
         sock.sendall(upgrade)
         data = b""
         while b"\r\n" not in data:
@@ -794,14 +744,14 @@ def test_a_websocket_upgrade_after_a_lane_answer_gets_what_it_gets_alone(
     assert status_line(data) == status_line(alone), (data[:200], alone[:200])
 
 
-def test_a_head_half_sent_behind_a_full_path_answer_gets_its_408(pypi_wheel: Any) -> None:
+def test_a_head_half_sent_behind_a_full_path_answer_gets_its_408(pypi_lane: Any) -> None:
     """A head that began in the same read as the request before it starts its 10 s when
     that request's answer ends, and is then answered 408 (docs/architecture.md, "Slow
     and hostile clients"). Behind a full-path answer, uvicorn's keep-alive timer (5 s),
     armed as that answer ended, closed the connection first with no answer."""
     from proxy.http.protocol import HEAD_TIMEOUT_S
 
-    proxy, path, _f = pypi_wheel
+    proxy, path, _f = pypi_lane
     with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
         sock.settimeout(HEAD_TIMEOUT_S + 5)
         started = time.monotonic()
@@ -838,9 +788,9 @@ def test_a_refused_upload_from_a_slow_uplink_is_still_read_to_its_end(
             for _ in range(seconds):
                 time.sleep(1)
                 sock.sendall(b"x" * (size // seconds))
-            answer = _read_answer(sock)
+            answer = next_answer(sock)
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            after = _read_answer(sock)
+            after = next_answer(sock)
         except OSError as exc:
             pytest.fail(f"the connection was closed under the slow upload: {exc!r}")
     assert answer.startswith(b"HTTP/1.1 401 ")

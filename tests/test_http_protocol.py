@@ -17,6 +17,7 @@ from proxy.config.load import load
 from proxy.http import protocol
 from proxy.http.app import create_app
 from tests.conftest import write_config
+from tests.rawhttp import read_response
 from tests.upstream import FakeUpstream, ServerThread
 
 MiB = 1024 * 1024
@@ -44,26 +45,6 @@ def guarded_proxy(
     server.stop()
 
 
-def _read_response(sock: socket.socket, buffered: bytes) -> tuple[bytes, bytes, bytes]:
-    """(head, body, what follows) of one response with a Content-Length."""
-    data = buffered
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, "closed before the head"
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed after {len(rest)} of {length} body bytes"
-        rest += chunk
-    return head, rest[:length], rest[length:]
-
-
 def test_a_pipelined_head_is_timed_from_the_end_of_the_response_before_it(
     guarded_proxy: ServerThread, upstream: FakeUpstream
 ) -> None:
@@ -72,7 +53,7 @@ def test_a_pipelined_head_is_timed_from_the_end_of_the_response_before_it(
     port = int(guarded_proxy.url.rsplit(":", 1)[1])
     warm = socket.create_connection(("127.0.0.1", port))
     warm.sendall(b"GET /files/big.bin HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _read_response(warm, b"")[1] == body  # cached: the next answer is a hit
+    assert read_response(warm, b"")[1] == body  # cached: the next answer is a hit
     warm.close()
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -83,7 +64,7 @@ def test_a_pipelined_head_is_timed_from_the_end_of_the_response_before_it(
     # the client reads slowly: the answer takes several head timeouts.
     sock.sendall(b"GET /files/big.bin HTTP/1.1\r\nHost: x\r\n\r\nGET /files/big.bin HTTP/1.1\r\nHo")
     time.sleep(2.0)
-    head, got, after = _read_response(sock, b"")
+    head, got, after = read_response(sock, b"")
     assert head.startswith(b"HTTP/1.1 200")
     assert hashlib.sha256(got).digest() == hashlib.sha256(body).digest(), "the body was spliced"
     # Then the half-sent head gets its 408, after the body and only after its own timeout.

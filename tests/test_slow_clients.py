@@ -19,6 +19,7 @@ from proxy.http.protocol import HEAD_TIMEOUT_S, MAX_HEAD_BYTES
 from tests import hostile
 from tests.conftest import write_config
 from tests.processes import ProxyProcess
+from tests.rawhttp import read_response
 from tests.upstream import FakeUpstream
 
 pytestmark = pytest.mark.slow
@@ -104,25 +105,16 @@ def test_clients_that_never_read_cost_a_bounded_buffer_each(
             sock.close()
 
 
-def read_response(sock: socket.socket, pause_s: float) -> tuple[bytes, bytes]:
-    """(head, body) of one Content-Length response, read in small bites with pauses."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = int(next(
-        line.split(b":", 1)[1] for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    ))  # fmt: skip
-    chunks = [body]
-    received = len(body)
-    while received < length:
-        chunk = sock.recv(min(65536, length - received))
-        assert chunk, f"cut at {received} of {length} bytes"
-        chunks.append(chunk)
-        received += len(chunk)
-        time.sleep(pause_s)
-    return head, b"".join(chunks)
+def asking_with_receive_buffer(port: int, request: bytes, receive_buffer: int) -> socket.socket:
+    """A client socket with this receive buffer that has sent ``request``. The buffer is
+    set before connecting, so the window is sized for it (an 8 KiB buffer set after
+    connecting makes loopback TCP crawl at 80 KB/s, with or without us)."""
+    sock = socket.socket()
+    sock.settimeout(30)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(request)
+    return sock
 
 
 def test_a_miss_streamed_to_slow_readers_arrives_exact_beside_stalled_ones(
@@ -139,17 +131,11 @@ def test_a_miss_streamed_to_slow_readers_arrives_exact_beside_stalled_ones(
     stalled: list[socket.socket] = []
     slow: list[socket.socket] = []
     for i in range(8):
-        sock = socket.socket()
-        sock.settimeout(30)
-        # Set before connecting, so the window is sized for it (an 8 KiB buffer set
-        # after connecting makes loopback TCP crawl at 80 KB/s, with or without us).
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768 if i % 2 else 131072)
-        sock.connect(("127.0.0.1", proxy.port))
-        sock.sendall(request)
+        sock = asking_with_receive_buffer(proxy.port, request, 32768 if i % 2 else 131072)
         (stalled if i < 2 else slow).append(sock)
     try:
         results = [read_response(sock, pause_s=0.001 * (i % 3)) for i, sock in enumerate(slow)]
-        for head, received in results:
+        for head, received, _rest in results:
             assert head.startswith(b"HTTP/1.1 200")
             assert hashlib.sha256(received).digest() == hashlib.sha256(body).digest()
         assert upstream.count("/growing.bin") == 1
@@ -187,18 +173,14 @@ def test_a_stored_file_sent_by_sendfile_arrives_exact_and_leaves_no_descriptor(
     readers: list[socket.socket] = []
     leavers: list[socket.socket] = []
     for i in range(10):
-        sock = socket.socket()
-        sock.settimeout(30)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536 if i % 2 else 262144)
-        sock.connect(("127.0.0.1", proxy.port))
-        sock.sendall(request)
+        sock = asking_with_receive_buffer(proxy.port, request, 65536 if i % 2 else 262144)
         (leavers if i < 4 else readers).append(sock)
     try:
         for sock in leavers:
             sock.recv(100_000)
             sock.close()
         for i, sock in enumerate(readers):
-            head, received = read_response(sock, pause_s=0.0005 * (i % 3))
+            head, received, _rest = read_response(sock, pause_s=0.0005 * (i % 3))
             assert head.startswith(b"HTTP/1.1 200")
             assert hashlib.sha256(received).digest() == hashlib.sha256(body).digest()
     finally:
