@@ -468,23 +468,34 @@ async def database_leftovers(url: str) -> tuple[int, list[str]]:
 
 
 def downloads_per_file(
-    upstream_log: list[list[Any]], faults: list[FaultRecord]
+    upstream_log: list[list[Any]], faults: list[FaultRecord], origin: float
 ) -> tuple[Counter[str], list[str]]:
     """Upstream downloads (200s) per file, and the files downloaded more often than 1
-    plus the cutting faults that fell within the span of their downloads."""
-    times: dict[str, list[float]] = defaultdict(list)
-    for at, path, status, _sent, _complete in upstream_log:
-        if path.startswith("/packages/") and status == 200:
-            times[path].append(at)
-    counts = Counter({path: len(ts) for path, ts in times.items()})
+    plus the cutting faults that fell within the span of their downloads, each with its
+    timeline (seconds from ``origin``: every download's bytes sent, every fault)."""
+    downloads: dict[str, list[list[Any]]] = defaultdict(list)
+    for entry in upstream_log:
+        if entry[1].startswith("/packages/") and entry[2] == 200:
+            downloads[entry[1]].append(entry)
+    counts = Counter({path: len(entries) for path, entries in downloads.items()})
     too_many = []
-    for path, ts in times.items():
-        first, last = min(ts), max(ts)
+    for path, entries in downloads.items():
+        first, last = min(e[0] for e in entries), max(e[0] for e in entries)
         cuts = sum(
             1 for f in faults if f.kind in CUTTING_FAULTS and f.start <= last and f.end >= first
         )
-        if len(ts) > 1 + cuts:
-            too_many.append(f"{path}: {len(ts)} downloads, {cuts} cutting faults meanwhile")
+        if len(entries) > 1 + cuts:
+            fetched = ", ".join(
+                f"{at - origin:.1f} s ({sent} B{'' if complete else ', cut'})"
+                for at, _path, _status, sent, complete in entries
+            )
+            timeline = ", ".join(
+                f"{f.kind} {f.start - origin:.1f}-{f.end - origin:.1f} s" for f in faults
+            )
+            too_many.append(
+                f"{path}: {len(entries)} downloads, {cuts} cutting faults meanwhile; "
+                f"downloads at {fetched}; faults: {timeline}"
+            )
     return counts, too_many
 
 
@@ -559,7 +570,7 @@ async def soak(args: argparse.Namespace) -> int:
         async with httpx.AsyncClient() as client:
             log_text = (await client.get(upstream_url + "/_log")).text
         upstream_log = [json.loads(line) for line in log_text.splitlines() if line]
-        downloads, too_many = downloads_per_file(upstream_log, faults)
+        downloads, too_many = downloads_per_file(upstream_log, faults, results.started)
         for replica in fleet.replicas:
             await asyncio.to_thread(replica.stop)
         temp_files = sorted(p.name for p in (data / "tmp").glob("*") if p.is_file())

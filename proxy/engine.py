@@ -273,7 +273,7 @@ async def _engine(
             fetcher = Fetcher(
                 catalog, storage, index, leases, tasks, clock,
                 open_stored=fills.source if fills is not None else None,
-                relay=relay, relays=relays,
+                relay=relay, relays=relays, min_free=settings.storage.min_free,
             )  # fmt: skip
             s3 = settings.object_storage
             cache = Cache(

@@ -193,6 +193,12 @@ class StorageError(Unavailable):
         return cls(f"{what}: {describe_os_error(exc)}")
 
 
+class StorageFull(StorageError):
+    """A download may not start: it would leave the storage with less than
+    ``storage.min_free`` free (docs/architecture.md, "Storage failures"). Nothing was
+    asked of the upstream; cached files are still served."""
+
+
 # -- getting a body failed -------------------------------------------------------------------
 
 

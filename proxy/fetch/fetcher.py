@@ -31,6 +31,7 @@ from proxy.exceptions import (
     ProxyError,
     ShuttingDown,
     StorageError,
+    StorageFull,
     TransferCut,
     UpstreamError,
     UpstreamUnavailable,
@@ -194,11 +195,14 @@ class Fetcher:
         open_stored: OpenStored | None = None,
         relay: RelayServer | None = None,
         relays: RelayClient | None = None,
+        min_free: int = 0,
     ) -> None:
         """``open_stored``: how a stored blob is read here from its first byte (object
         storage: the local tier's copy, or the object as it arrives); the folder store
         opens its file. ``relay`` serves our downloads to other replicas, ``relays``
-        follows theirs, when the storage shares no temp files."""
+        follows theirs, when the storage shares no temp files. ``min_free``: the free
+        space (``storage.min_free``) a download may not take the storage under."""
+        self.min_free = min_free
         self.catalog = catalog
         self.storage = storage
         self.open_stored = open_stored or self._open_file
@@ -242,7 +246,8 @@ class Fetcher:
         except (StorageError, CatalogError) as exc:
             # Upstream failures are logged where they happen; ours are logged here, once,
             # by name (e.g. ENOSPC), for the operator.
-            log.error("fetch failed repository=%s key=%s: %s", miss.repository, miss.key, exc)
+            level = logging.WARNING if isinstance(exc, StorageFull) else logging.ERROR
+            log.log(level, "fetch failed repository=%s key=%s: %s", miss.repository, miss.key, exc)
             flight.settle_error(exc)
         except Exception as exc:
             if not isinstance(exc, ProxyError):
@@ -415,6 +420,8 @@ class Fetcher:
         validators = Validators(stale.etag, stale.last_modified) if stale is not None else None
         with traced() as urls:
             try:
+                if spec.storable:
+                    await self._check_room(spec, 0)  # before the upstream is asked
                 async with spec.origin.open(miss.context, validators) as fetched:
                     if fetched.status is Status.NOT_MODIFIED and stale is not None:
                         fetched_at = self.clock.now_ms()
@@ -444,6 +451,14 @@ class Fetcher:
                         await self._store_body(miss, fetched, flight, held, urls)
                         outcome = "stored"
                 state = "done"
+            except StorageFull as exc:
+                # Released, not failed: a waiter that claims it next checks the room it
+                # has (a replica's own disk, on object storage) before it asks anyone.
+                outcome = "storage_full"
+                if stale is not None and stale.kind is Kind.METADATA:
+                    self._serve_stale(miss, stale, str(exc), flight)
+                else:
+                    raise
             except FetchError as exc:
                 state = "failed"
                 if isinstance(exc, DigestMismatch):
@@ -472,6 +487,15 @@ class Fetcher:
             held.fence if held else "none",
             redact(urls[-1]) if urls else "-",
         )
+
+    async def _check_room(self, spec: FetchSpec, incoming: int) -> None:
+        """``StorageFull`` if a download of ``incoming`` bytes would leave the disk its
+        temp files are on under ``storage.min_free`` (docs/architecture.md, "Storage
+        failures"): on a full disk every attempt would download the body only to fail
+        writing it, once per request and once per replica taking the lease over."""
+        problem = await self.storage.files.room_for(incoming, self.min_free)
+        if problem is not None:
+            raise StorageFull(f"{spec.key} not fetched: {problem}")
 
     async def _store_negative(self, miss: Miss) -> None:
         spec = miss.spec
@@ -507,6 +531,8 @@ class Fetcher:
         expected = {name: value.lower() for name, value in fetched.expected.items()}
         expected = {name: value for name, value in expected.items() if name in KNOWN_DIGESTS}
         wanted = set(spec.digests) | set(expected)
+        if fetched.length is not None:
+            await self._check_room(spec, fetched.length)  # before the body is read
         temp = await self.storage.files.new_temp(wanted)
         download = Download(fetched.content_type, fetched.length)
         flight.download = download

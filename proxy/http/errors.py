@@ -41,6 +41,7 @@ from proxy.exceptions import (
     RetryLater,
     ShuttingDown,
     StorageError,
+    StorageFull,
     StorageUnavailable,
     TooManyRequests,
     TransferCut,
@@ -122,6 +123,14 @@ RULES: dict[type[BaseException], Rule] = {
         503,
         logging.ERROR,
         public="the cache storage is unavailable; try again",
+        headers=_retry_after,
+    ),
+    StorageFull: Rule(
+        503,  # logged by the miss path, with the key
+        public=(
+            "the cache storage is full: files it does not hold yet are not fetched until "
+            "space is freed (cached files are still served); try again later"
+        ),
         headers=_retry_after,
     ),
     StorageUnavailable: Rule(

@@ -67,7 +67,8 @@ UPSTREAM_BYTES = Counter(
 )
 UPSTREAM_FETCH_DURATION = Histogram(
     "proxy_upstream_fetch_duration_seconds",
-    "Duration of upstream fetches, by outcome (stored, not_modified, not_found, error)",
+    "Duration of upstream fetches, by outcome (stored, not_modified, not_found, "
+    "passed_through, storage_full: refused before asking, error)",
     ["repository", "outcome"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )

@@ -265,6 +265,24 @@ class BlobStore:
             return [f"storage: {human_size(free)} free, under storage.min_free ({floor})"]
         return []
 
+    async def room_for(self, incoming: int, min_free: int) -> str | None:
+        """Why a download of ``incoming`` bytes (0: its size is not known yet) may not
+        start here: it would leave less than ``min_free`` free. None if it may, or if
+        the free space cannot be read (the write will say what is wrong)."""
+        try:
+            free = await run_blocking(self.free_bytes)
+        except OSError:
+            return None
+        if free - incoming >= min_free:
+            return None
+        floor = format_size(min_free)
+        if incoming == 0 or free < min_free:
+            return f"storage: {human_size(free)} free, under storage.min_free ({floor})"
+        return (
+            f"storage: {human_size(free)} free; a {human_size(incoming)} download would "
+            f"leave less than storage.min_free ({floor})"
+        )
+
     async def redirect(self, sha256: str, size: int) -> str | None:
         return None
 
