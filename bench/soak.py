@@ -16,7 +16,8 @@ failure that must never happen); statuses; how long each request took. At the en
 (faults off, load stopped, a short settle): leases still held, job runs left
 `running`, temp files left in the storage, descriptors each replica holds against its
 start, upstream downloads per file (at most 1 plus the kills, pauses and database
-restarts during its downloads), tracebacks in the logs, RSS per replica over time. The
+restarts during its downloads; requests made while the disk was full are not counted:
+their bodies are refused unread), tracebacks in the logs, RSS per replica over time. The
 exit status is 1 if anything that must be zero is not.
 
 The storage is a tmpfs of its own when the soak runs as root (so the disk-full fault
@@ -472,9 +473,16 @@ def downloads_per_file(
 ) -> tuple[Counter[str], list[str]]:
     """Upstream downloads (200s) per file, and the files downloaded more often than 1
     plus the cutting faults that fell within the span of their downloads, each with its
-    timeline (seconds from ``origin``: every download's bytes sent, every fault)."""
+    timeline (seconds from ``origin``: every download's bytes sent, every fault).
+
+    Requests made while the disk was full do not count: under ``storage.min_free`` the
+    proxy asks the upstream (a 404 must stay a 404) and refuses the body unread, which
+    this upstream cannot tell from a download (its log entry is made with the head)."""
+    full = [(f.start, f.end) for f in faults if f.kind == "disk_full"]
     downloads: dict[str, list[list[Any]]] = defaultdict(list)
     for entry in upstream_log:
+        if any(start <= entry[0] <= end for start, end in full):
+            continue
         if entry[1].startswith("/packages/") and entry[2] == 200:
             downloads[entry[1]].append(entry)
     counts = Counter({path: len(entries) for path, entries in downloads.items()})

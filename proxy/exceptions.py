@@ -194,9 +194,9 @@ class StorageError(Unavailable):
 
 
 class StorageFull(StorageError):
-    """A download may not start: it would leave the storage with less than
-    ``storage.min_free`` free (docs/architecture.md, "Storage failures"). Nothing was
-    asked of the upstream; cached files are still served."""
+    """A body may not be downloaded: it would leave the storage with less than
+    ``storage.min_free`` free (docs/architecture.md, "Storage faults"). The upstream's
+    answer was not read past its head; cached files are still served."""
 
 
 # -- getting a body failed -------------------------------------------------------------------

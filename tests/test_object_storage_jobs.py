@@ -20,6 +20,7 @@ import pytest
 from proxy.clock import ManualClock
 from proxy.config.load import load
 from proxy.engine import Engine, open_engine
+from proxy.exceptions import StorageFull
 from proxy.storage import s3 as s3_module
 from tests.conftest import pypi_config, s3_storage, write_config
 from tests.seaweed import SeaweedFS
@@ -44,9 +45,13 @@ async def engine_on_s3(
     bucket: str,
     clock: ManualClock,
     local_max: str = "1GB",
+    min_free: str = "1MB",
 ) -> AsyncIterator[Engine]:
     storage = s3_storage(
-        seaweedfs, bucket, tmp_path / "local", storage_extra=f'local_cache_max_size = "{local_max}"'
+        seaweedfs,
+        bucket,
+        tmp_path / "local",
+        storage_extra=f'local_cache_max_size = "{local_max}"\nmin_free = "{min_free}"',
     )
     extra = (
         f'[database]\nurl = "sqlite:///{tmp_path / "catalog.db"}"\n[jobs]\nevict_grace = "10m"\n'
@@ -154,6 +159,40 @@ def test_the_local_tier_evicts_least_recently_used_copies_by_itself(
             tier = engine.storage.tier  # type: ignore[attr-defined]
             assert 0 < tier.size_bytes <= 35 * KB
             assert oldest in {p.name for p in (tmp_path / "local" / "blobs").rglob("*")}
+
+    asyncio.run(scenario())
+
+
+def test_under_min_free_the_local_tier_sheds_copies_it_can_refill(
+    tmp_path: Path, upstream: FakeUpstream, seaweedfs: SeaweedFS, s3_bucket: str
+) -> None:
+    """A disk under ``storage.min_free`` (docs/architecture.md, "Storage faults"): the
+    local tier gives up its least recently used copies, which the bucket still holds,
+    when that reaches the floor; when it cannot, it keeps them and the miss is refused."""
+    files = add_files(upstream, 5, 10 * KB)
+    clock = ManualClock()
+
+    def copies() -> set[str]:
+        return {p.name for p in (tmp_path / "local" / "blobs").rglob("*") if p.is_file()}
+
+    async def scenario() -> None:
+        async with engine_on_s3(tmp_path, upstream, seaweedfs, s3_bucket, clock) as engine:
+            await warm_in_order(engine, clock, files[:4])
+        shas = [hashlib.sha256(f.body).hexdigest() for f in files]
+        assert set(shas[:4]) <= copies()
+        async with engine_on_s3(
+            tmp_path, upstream, seaweedfs, s3_bucket, clock, min_free="1000TB"
+        ) as engine:
+            view, adapter = pypi_repository(engine)
+            with pytest.raises(StorageFull, match=r"under storage.min_free \(1000TB\)"):
+                await view.read(adapter.file_spec("pkg", files[4].filename), 10**6)
+            assert set(shas[:4]) <= copies()  # shedding them all would not reach 1000 TB
+            freed = await engine.storage.make_room(15 * KB)
+            assert 20 * KB < freed < 21 * KB  # whole copies, oldest first: the page, two files
+            assert shas[0] not in copies() and shas[1] not in copies()
+            assert {shas[2], shas[3]} <= copies()
+            spec = adapter.file_spec("pkg", files[0].filename)
+            assert await view.read(spec, 10**6) == files[0].body  # from the bucket again
 
     asyncio.run(scenario())
 

@@ -124,13 +124,14 @@ def test_a_full_disk_is_named_and_cached_hits_keep_serving(
     assert "Traceback" not in log, log[-3000:]
 
 
-def test_under_min_free_a_miss_is_refused_before_the_upstream_is_asked(
+def test_under_min_free_a_body_is_refused_before_it_is_read(
     tmp_path: Path, upstream: FakeUpstream
 ) -> None:
     """A disk under ``storage.min_free`` (a filler takes it there while the proxy runs):
-    misses answer 503 without a request upstream, hits keep serving, /readyz says why;
-    once the filler is gone the same miss is fetched, once. A download whose
-    Content-Length would take the disk under the floor is refused before its body."""
+    a miss answers 503 once the upstream's head is in, before its body is read (nothing
+    is written, so no ENOSPC); a 404 is still a 404; hits keep serving; /readyz says why.
+    Once the filler is gone the same miss is fetched. A download whose Content-Length
+    would take the disk under the floor is refused the same way."""
     storage = tmp_path / "storage"
     storage.mkdir()
     fill, filled, free, freed = (tmp_path / name for name in ("fill", "filled", "free", "freed"))
@@ -163,7 +164,12 @@ def test_under_min_free_a_miss_is_refused_before_the_upstream_is_asked(
             assert refused.status_code == 503, refused.text
             assert "storage is full" in refused.text, refused.text
             assert refused.headers.get("retry-after"), refused.headers
-        assert upstream.count("/other.bin") == 0  # the upstream was never asked
+        assert upstream.count("/other.bin") == 3  # asked each time: a 404 would be answered
+        text = httpx.get(url + "/metrics", timeout=10).text
+        # Bodies read from the upstream so far: small.bin's alone.
+        assert metric_value(text, "proxy_upstream_bytes_total", repository="files") == 100_000
+        absent = httpx.get(url + "/files/absent.bin.sha512", timeout=10)
+        assert absent.status_code == 404, absent.text  # a build tool's probe: not a 503
         hit = httpx.get(url + "/files/small.bin", timeout=10)
         assert hit.status_code == 200 and hit.content == small.content
 
@@ -171,7 +177,7 @@ def test_under_min_free_a_miss_is_refused_before_the_upstream_is_asked(
         wait_for_file(freed)
         fetched = httpx.get(url + "/files/other.bin", timeout=10)
         assert fetched.status_code == 200 and fetched.content == upstream.files["/other.bin"]
-        assert upstream.count("/other.bin") == 1
+        assert upstream.count("/other.bin") == 4
 
         # ~7.8 MiB free: 6 MiB more would leave less than 2 MiB.
         large = httpx.get(url + "/files/large.bin", timeout=30)
@@ -187,7 +193,7 @@ def test_under_min_free_a_miss_is_refused_before_the_upstream_is_asked(
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
     log = (tmp_path / "proxy.log").read_text()
-    assert "other.bin not fetched: storage:" in log, log[-3000:]
+    assert "other.bin: the body was not fetched: storage:" in log, log[-3000:]
     assert "a 6.0 MiB download would leave less than storage.min_free (2MiB)" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
 

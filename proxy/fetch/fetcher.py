@@ -49,7 +49,7 @@ from proxy.redaction import redact
 from proxy.runtime import metrics
 from proxy.runtime.blocking import run_blocking
 from proxy.runtime.tasks import TaskSupervisor
-from proxy.storage.blobs import storage_error
+from proxy.storage.blobs import room_problem, storage_error
 from proxy.storage.store import Storage
 from proxy.types import KNOWN_DIGESTS, Kind, Validators
 from proxy.upstream.client import traced
@@ -420,8 +420,6 @@ class Fetcher:
         validators = Validators(stale.etag, stale.last_modified) if stale is not None else None
         with traced() as urls:
             try:
-                if spec.storable:
-                    await self._check_room(spec, 0)  # before the upstream is asked
                 async with spec.origin.open(miss.context, validators) as fetched:
                     if fetched.status is Status.NOT_MODIFIED and stale is not None:
                         fetched_at = self.clock.now_ms()
@@ -489,13 +487,21 @@ class Fetcher:
         )
 
     async def _check_room(self, spec: FetchSpec, incoming: int) -> None:
-        """``StorageFull`` if a download of ``incoming`` bytes would leave the disk its
-        temp files are on under ``storage.min_free`` (docs/architecture.md, "Storage
-        failures"): on a full disk every attempt would download the body only to fail
-        writing it, once per request and once per replica taking the lease over."""
-        problem = await self.storage.files.room_for(incoming, self.min_free)
-        if problem is not None:
-            raise StorageFull(f"{spec.key} not fetched: {problem}")
+        """``StorageFull`` if a download of ``incoming`` bytes (0: not announced) would
+        leave the disk its temp files are on under ``storage.min_free``, after the store
+        made what room it can (docs/architecture.md, "Storage faults"). Asked once the
+        upstream has answered 200, before its body is read: a 404 or a 304 still needs
+        no room. Without it, on a full disk every request for a missing file downloaded
+        the body only to fail writing it, and so did each replica taking the lease over."""
+        free = await self.storage.files.free_space()
+        if free is None or free - incoming >= self.min_free:
+            return
+        if await self.storage.make_room(self.min_free + incoming - free) > 0:
+            free = await self.storage.files.free_space()
+            if free is None or free - incoming >= self.min_free:
+                return
+        problem = room_problem(free, incoming, self.min_free)
+        raise StorageFull(f"{spec.key}: the body was not fetched: {problem}")
 
     async def _store_negative(self, miss: Miss) -> None:
         spec = miss.spec
@@ -531,8 +537,9 @@ class Fetcher:
         expected = {name: value.lower() for name, value in fetched.expected.items()}
         expected = {name: value for name, value in expected.items() if name in KNOWN_DIGESTS}
         wanted = set(spec.digests) | set(expected)
-        if fetched.length is not None:
-            await self._check_room(spec, fetched.length)  # before the body is read
+        if fetched.length is not None and fetched.length > miss.max_size:
+            raise _too_large(miss, fetched.length)
+        await self._check_room(spec, fetched.length or 0)
         temp = await self.storage.files.new_temp(wanted)
         download = Download(fetched.content_type, fetched.length)
         flight.download = download
@@ -565,8 +572,6 @@ class Fetcher:
 
         temp.on_progress = progressed
         try:
-            if fetched.length is not None and fetched.length > miss.max_size:
-                raise _too_large(miss, fetched.length)
             body = fetched.body
             if not expected and fetched.expected_later is None:
                 # Nothing can verify these bytes: their first ones must already look

@@ -68,7 +68,7 @@ UPSTREAM_BYTES = Counter(
 UPSTREAM_FETCH_DURATION = Histogram(
     "proxy_upstream_fetch_duration_seconds",
     "Duration of upstream fetches, by outcome (stored, not_modified, not_found, "
-    "passed_through, storage_full: refused before asking, error)",
+    "passed_through, storage_full: its body refused for storage.min_free, error)",
     ["repository", "outcome"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )

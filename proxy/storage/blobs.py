@@ -260,28 +260,18 @@ class BlobStore:
             free = await run_blocking(self.free_bytes)
         except OSError as exc:
             return [f"storage: cannot write ({describe_os_error(exc)})"]
-        if free < min_free:
-            floor = format_size(min_free)
-            return [f"storage: {human_size(free)} free, under storage.min_free ({floor})"]
-        return []
+        return [room_problem(free, 0, min_free)] if free < min_free else []
 
-    async def room_for(self, incoming: int, min_free: int) -> str | None:
-        """Why a download of ``incoming`` bytes (0: its size is not known yet) may not
-        start here: it would leave less than ``min_free`` free. None if it may, or if
-        the free space cannot be read (the write will say what is wrong)."""
+    async def free_space(self) -> int | None:
+        """``free_bytes``, off the event loop; None if it cannot be read (a write will
+        then say what is wrong)."""
         try:
-            free = await run_blocking(self.free_bytes)
+            return await run_blocking(self.free_bytes)
         except OSError:
             return None
-        if free - incoming >= min_free:
-            return None
-        floor = format_size(min_free)
-        if incoming == 0 or free < min_free:
-            return f"storage: {human_size(free)} free, under storage.min_free ({floor})"
-        return (
-            f"storage: {human_size(free)} free; a {human_size(incoming)} download would "
-            f"leave less than storage.min_free ({floor})"
-        )
+
+    async def make_room(self, nbytes: int) -> int:
+        return 0  # every file is the only copy
 
     async def redirect(self, sha256: str, size: int) -> str | None:
         return None
@@ -484,6 +474,18 @@ def _undo_open(path: Path, opening: asyncio.Future[int]) -> None:
             os.unlink(path)
 
     asyncio.get_running_loop().run_in_executor(None, undo)
+
+
+def room_problem(free: int, incoming: int, min_free: int) -> str:
+    """Why a download of ``incoming`` bytes (0: size not known) may not start with
+    ``free`` bytes free: it would leave less than ``min_free``."""
+    floor = format_size(min_free)
+    if incoming == 0 or free < min_free:
+        return f"storage: {human_size(free)} free, under storage.min_free ({floor})"
+    return (
+        f"storage: {human_size(free)} free; a {human_size(incoming)} download would leave "
+        f"less than storage.min_free ({floor})"
+    )
 
 
 def storage_error(what: str, operation: str, exc: OSError) -> StorageError:

@@ -128,15 +128,34 @@ class LocalTier:
         paths = [self.files.path(sha) for sha in sha256s]
         await run_blocking(_unlink_all, paths)
 
-    async def _evict(self) -> None:
+    async def shed(self, nbytes: int) -> int:
+        """Evict copies, least recently used first, until ``nbytes`` are freed (the disk
+        is under ``storage.min_free``: ``local_cache_max_size`` is more than it holds).
+        Nothing if this process's copies are fewer bytes: they would all go, and the disk
+        would still be short. The bytes freed."""
+        if nbytes > self.size_bytes:
+            return 0
+        freed = await self._evict(nbytes)
+        if freed:
+            log.warning(
+                "local tier: evicted %d bytes of copies, the disk being under storage.min_free",
+                freed,
+            )
+        return freed
+
+    async def _evict(self, at_least: int = 0) -> int:
+        """Evict beyond ``max_bytes``, and ``at_least`` bytes: the bytes evicted."""
         victims = []
-        while self.size_bytes > self.max_bytes and self._sizes:
+        freed = 0
+        while self._sizes and (self.size_bytes > self.max_bytes or freed < at_least):
             sha, size = self._sizes.popitem(last=False)
             self.size_bytes -= size
+            freed += size
             victims.append(self.files.path(sha))
         if victims:
             await run_blocking(_unlink_all, victims)
             log.debug("local tier: evicted %d copies", len(victims))
+        return freed
 
 
 def _open_copy(path: str, size: int) -> int:

@@ -161,6 +161,9 @@ class ObjectStorage:
         sha = key.rpartition("/")[2]
         return sha if is_sha256(sha) and key == self.bucket.key(sha) else None
 
+    async def make_room(self, nbytes: int) -> int:
+        return await self.tier.shed(nbytes)
+
     async def problems(self, min_free: int) -> list[str]:
         found = await self.tier.files.problems(min_free)
         problem = await self._bucket_problem()

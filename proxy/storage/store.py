@@ -93,6 +93,13 @@ class Storage(Protocol):
         """Why the storage is not ready (``/readyz``), if it is not: cheap, cached."""
         ...
 
+    async def make_room(self, nbytes: int) -> int:
+        """Free about ``nbytes`` on the disk of ``files`` (it is under ``storage.min_free``)
+        by dropping what can be fetched again without the upstream: local copies of
+        objects, least recently used first. The bytes freed; 0 from the folder store,
+        whose every file is the only copy (``storage.max_size`` bounds it)."""
+        ...
+
     async def redirect(self, sha256: str, size: int) -> str | None:
         """A short-lived URL clients may fetch the blob from directly, or None."""
         ...
