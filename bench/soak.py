@@ -16,7 +16,7 @@ failure that must never happen); statuses; how long each request took. At the en
 (faults off, load stopped, a short settle): leases still held, job runs left
 `running`, temp files left in the storage, descriptors each replica holds against its
 start, upstream downloads per file (at most 1 plus the kills, pauses and database
-restarts during its downloads; requests made while the disk was full are not counted:
+restarts during its downloads; requests made once the disk was full are not counted:
 their bodies are refused unread), tracebacks in the logs, RSS per replica over time. The
 exit status is 1 if anything that must be zero is not.
 
@@ -126,6 +126,8 @@ class Fleet:
     data: Path
     tmpfs: bool
     down: set[int] = field(default_factory=set)  # replicas stopped by a fault right now
+    # From the moment the filler had taken the last byte to its removal (disk_full).
+    full_windows: list[tuple[float, float]] = field(default_factory=list)
     start_fds: dict[int, int] = field(default_factory=dict)
 
     def live(self) -> list[int]:
@@ -421,8 +423,10 @@ async def fault_disk_full(fleet: Fleet, rng: random.Random) -> str:
         return written
 
     written = await asyncio.to_thread(fill)
+    full_from = time.time()
     await asyncio.sleep(FAULT_HOLD_S)
     filler.unlink(missing_ok=True)
+    fleet.full_windows.append((full_from, time.time()))
     return f"storage filled ({human_size(written)} of filler) for {FAULT_HOLD_S:.0f} s"
 
 
@@ -469,16 +473,19 @@ async def database_leftovers(url: str) -> tuple[int, list[str]]:
 
 
 def downloads_per_file(
-    upstream_log: list[list[Any]], faults: list[FaultRecord], origin: float
+    upstream_log: list[list[Any]],
+    faults: list[FaultRecord],
+    full: list[tuple[float, float]],
+    origin: float,
 ) -> tuple[Counter[str], list[str]]:
     """Upstream downloads (200s) per file, and the files downloaded more often than 1
     plus the cutting faults that fell within the span of their downloads, each with its
     timeline (seconds from ``origin``: every download's bytes sent, every fault).
 
-    Requests made while the disk was full do not count: under ``storage.min_free`` the
-    proxy asks the upstream (a 404 must stay a 404) and refuses the body unread, which
-    this upstream cannot tell from a download (its log entry is made with the head)."""
-    full = [(f.start, f.end) for f in faults if f.kind == "disk_full"]
+    Requests made while the disk was full (``full``: from the filler's last byte to its
+    removal) do not count: under ``storage.min_free`` the proxy asks the upstream (a 404
+    must stay a 404) and refuses the body unread, which this upstream cannot tell from a
+    download (its log entry is made with the head). Those made while it filled count."""
     downloads: dict[str, list[list[Any]]] = defaultdict(list)
     for entry in upstream_log:
         if any(start <= entry[0] <= end for start, end in full):
@@ -578,7 +585,9 @@ async def soak(args: argparse.Namespace) -> int:
         async with httpx.AsyncClient() as client:
             log_text = (await client.get(upstream_url + "/_log")).text
         upstream_log = [json.loads(line) for line in log_text.splitlines() if line]
-        downloads, too_many = downloads_per_file(upstream_log, faults, results.started)
+        downloads, too_many = downloads_per_file(
+            upstream_log, faults, fleet.full_windows, results.started
+        )
         for replica in fleet.replicas:
             await asyncio.to_thread(replica.stop)
         temp_files = sorted(p.name for p in (data / "tmp").glob("*") if p.is_file())

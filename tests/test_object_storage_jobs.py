@@ -14,6 +14,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from unittest.mock import AsyncMock
 
 import pytest
 
@@ -168,9 +169,11 @@ def test_under_min_free_the_local_tier_sheds_copies_it_can_refill(
 ) -> None:
     """A disk under ``storage.min_free`` (docs/architecture.md, "Storage faults"): the
     local tier gives up its least recently used copies, which the bucket still holds,
-    when that reaches the floor; when it cannot, it keeps them and the miss is refused."""
-    files = add_files(upstream, 5, 10 * KB)
+    and the miss goes on; when shedding cannot reach the floor, it keeps them and the
+    miss is refused."""
+    files = add_files(upstream, 6, 10 * KB)
     clock = ManualClock()
+    shas = [hashlib.sha256(f.body).hexdigest() for f in files]
 
     def copies() -> set[str]:
         return {p.name for p in (tmp_path / "local" / "blobs").rglob("*") if p.is_file()}
@@ -178,19 +181,28 @@ def test_under_min_free_the_local_tier_sheds_copies_it_can_refill(
     async def scenario() -> None:
         async with engine_on_s3(tmp_path, upstream, seaweedfs, s3_bucket, clock) as engine:
             await warm_in_order(engine, clock, files[:4])
-        shas = [hashlib.sha256(f.body).hexdigest() for f in files]
-        assert set(shas[:4]) <= copies()
+            assert set(shas[:4]) <= copies()
+            tier = engine.storage.tier  # type: ignore[attr-defined]
+            # A 45 KB disk the tier's copies (a page, four files: ~41 KB) share, with a
+            # 10 KB floor: a 10 KB miss needs ~16 KB shed, whole copies, oldest first.
+            engine.storage.files.free_space = AsyncMock(  # type: ignore[method-assign]
+                side_effect=lambda: 45 * KB - tier.size_bytes
+            )
+            engine.cache.fetcher.min_free = 10 * KB
+            view, adapter = pypi_repository(engine)
+            spec = adapter.file_spec("pkg", files[4].filename)
+            assert await view.read(spec, 10**6) == files[4].body
+            assert shas[0] not in copies() and shas[1] not in copies()
+            assert {shas[2], shas[3]} <= copies()
         async with engine_on_s3(
             tmp_path, upstream, seaweedfs, s3_bucket, clock, min_free="1000TB"
         ) as engine:
+            before = copies()
             view, adapter = pypi_repository(engine)
+            spec = adapter.file_spec("pkg", files[5].filename)
             with pytest.raises(StorageFull, match=r"under storage.min_free \(1000TB\)"):
-                await view.read(adapter.file_spec("pkg", files[4].filename), 10**6)
-            assert set(shas[:4]) <= copies()  # shedding them all would not reach 1000 TB
-            freed = await engine.storage.make_room(15 * KB)
-            assert 20 * KB < freed < 21 * KB  # whole copies, oldest first: the page, two files
-            assert shas[0] not in copies() and shas[1] not in copies()
-            assert {shas[2], shas[3]} <= copies()
+                await view.read(spec, 10**6)
+            assert copies() == before  # shedding them all would not reach 1000 TB
             spec = adapter.file_spec("pkg", files[0].filename)
             assert await view.read(spec, 10**6) == files[0].body  # from the bucket again
 

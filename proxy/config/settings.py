@@ -46,7 +46,7 @@ DEFAULT_MIN_RATE_WINDOW_S = 30.0
 # Parsing one upstream index page: a real index's 600,000-project root page takes a few
 # seconds; pages that take CPython's HTML parser quadratic time would take hours.
 DEFAULT_PARSE_TIMEOUT_S = 30.0
-DEFAULT_MIN_FREE = 512 * 2**20  # below it /readyz fails and misses are refused
+DEFAULT_MIN_FREE = 512 * 2**20  # below it /readyz fails, new bodies are refused
 # Connections of one replica to Postgres (docs/architecture.md, "The catalog's
 # connections"): at most this many pooled, plus the one session connection.
 DEFAULT_POOL_SIZE = 10
@@ -177,7 +177,7 @@ class StorageSettings:
 
     max_size: int | None = None  # all proxied repositories together; None: no limit
     low_watermark: float = DEFAULT_LOW_WATERMARK  # a pass stops at or under this share
-    min_free: int = DEFAULT_MIN_FREE  # below it: /readyz not ready, misses refused
+    min_free: int = DEFAULT_MIN_FREE  # below it: /readyz not ready, new bodies refused
     # Hash every read of a stored blob as it is sent, stamped or not (docs/architecture.md,
     # "Blobs verified when read": off, it costs the hit path its cheapest reads).
     verify_reads: bool = False

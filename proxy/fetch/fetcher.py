@@ -203,6 +203,7 @@ class Fetcher:
         follows theirs, when the storage shares no temp files. ``min_free``: the free
         space (``storage.min_free``) a download may not take the storage under."""
         self.min_free = min_free
+        self._making_room = asyncio.Lock()
         self.catalog = catalog
         self.storage = storage
         self.open_stored = open_stored or self._open_file
@@ -451,7 +452,7 @@ class Fetcher:
                 state = "done"
             except StorageFull as exc:
                 # Released, not failed: a waiter that claims it next checks the room it
-                # has (a replica's own disk, on object storage) before it asks anyone.
+                # has (a replica's own disk, on object storage) before it reads a body.
                 outcome = "storage_full"
                 if stale is not None and stale.kind is Kind.METADATA:
                     self._serve_stale(miss, stale, str(exc), flight)
@@ -493,13 +494,17 @@ class Fetcher:
         upstream has answered 200, before its body is read: a 404 or a 304 still needs
         no room. Without it, on a full disk every request for a missing file downloaded
         the body only to fail writing it, and so did each replica taking the lease over."""
-        free = await self.storage.files.free_space()
+        files = self.storage.files
+        free = await files.free_space()
         if free is None or free - incoming >= self.min_free:
             return
-        if await self.storage.make_room(self.min_free + incoming - free) > 0:
-            free = await self.storage.files.free_space()
-            if free is None or free - incoming >= self.min_free:
-                return
+        async with self._making_room:  # concurrent misses shed the shortfall once, not each
+            free = await files.free_space()
+            if free is not None and free - incoming < self.min_free:
+                await self.storage.make_room(self.min_free + incoming - free)
+                free = await files.free_space()
+        if free is None or free - incoming >= self.min_free:
+            return
         problem = room_problem(free, incoming, self.min_free)
         raise StorageFull(f"{spec.key}: the body was not fetched: {problem}")
 
