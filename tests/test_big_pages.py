@@ -3,8 +3,9 @@ go on (proxy/formats/pypi.py, proxy/runtime/blocking.py CpuPool): the pages are 
 rendered off the event loop, hits stay fast, and memory stays bounded.
 
 The bounds asserted here are loose on purpose (this machine is shared and noisy): how
-much the process grows, and that the event loop never stalled for half a second; how
-long a hit took is printed, not asserted. bench/big_pages.py prints the real figures.
+much the process grows, that the pages went to a child process, and that the event loop
+never stalled for seconds; how long a hit took is printed, not asserted. bench/big_pages.py
+prints the real figures.
 """
 
 from __future__ import annotations
@@ -109,13 +110,37 @@ def test_big_pages_are_served_while_hits_stay_fast(
         assert html.status_code == 200 and html.text.count("<a ") == PROJECTS
         huge = httpx.get(proxy.url + "/pypi/simple/huge/", headers={"Accept": JSON_V1}, timeout=60)
         assert len(huge.json()["files"]) == FILES
+        # Where the work ran, not how long the loop waited: parsed in the server, the
+        # page would have stalled its loop for seconds (normalizing it alone takes 3.8 s
+        # here); in a thread, for each json.loads or json.dumps of it. A loop that waited
+        # half a second once happened on a busy CI machine with the pages in a child.
+        assert _page_parsers(proxy.pid), "the big pages were not handed to a child process"
         text = httpx.get(proxy.url + "/metrics").text
         probes = metric_value(text, "proxy_event_loop_lag_seconds_count")
-        on_time = metric_value(text, "proxy_event_loop_lag_seconds_bucket", le="0.5")
-        assert probes > 10 and on_time == probes, "the event loop stalled for over 0.5 s"
+        on_time = metric_value(text, "proxy_event_loop_lag_seconds_bucket", le="2.5")
+        assert probes > 10 and on_time == probes, "the event loop stalled for seconds"
         assert big_index.requests["/simple/huge/"] == 1
     finally:
         proxy.stop()
+
+
+def _page_parsers(pid: int) -> list[int]:
+    """The server's child processes started by multiprocessing (its page parsers)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    parsers = []
+    for child in children:
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--multiprocessing-fork" in argv:
+            parsers.append(child)
+    return parsers
 
 
 def _fetch_during_hits(
