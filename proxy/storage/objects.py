@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -134,6 +135,9 @@ class ObjectStorage:
         return set(names), set()
 
     async def candidates(self, cutoff_s: float, since_s: float = 0.0) -> AsyncIterator[list[str]]:
+        # Some stores list whole seconds (SeaweedFS): a blob written in the second the
+        # catalog was made counts as after it, not before (it would never be swept).
+        since_s = math.floor(since_s)
         async for page in self.bucket.list_objects("blobs/"):
             names = []
             for item in page:
