@@ -24,6 +24,7 @@ from bench.common import rss_kib, start_proxy, workdir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests import hostile
+from tests.processes import child_pids
 from tests.test_big_pages import JSON_V1, project_page, root_page
 from tests.upstream import FakeUpstream, start_upstream
 
@@ -40,15 +41,9 @@ SCENARIOS = {
 def children_rss_kib(pid: int) -> int:
     """RSS of the proxy's child processes (the parse process), in KiB."""
     total = 0
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for child in child_pids(pid):
         try:
-            children += (task / "children").read_text().split()
-        except OSError:
-            continue
-    for child in children:
-        try:
-            total += rss_kib(int(child))[0]
+            total += rss_kib(child)[0]
         except (OSError, KeyError):
             continue
     return total

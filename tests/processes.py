@@ -157,6 +157,17 @@ def start_replicas(
     return new
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid``'s threads started that are still running (Linux)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue  # the thread ended meanwhile
+    return children
+
+
 def metric_value(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():

@@ -23,7 +23,7 @@ import pytest
 from tests import hostile
 from tests.conftest import write_config
 from tests.hostile import HostileUpstream
-from tests.processes import ProxyProcess, metric_value
+from tests.processes import ProxyProcess, child_pids, metric_value
 from tests.upstream import FakeUpstream
 
 pytestmark = pytest.mark.slow
@@ -126,14 +126,8 @@ def test_big_pages_are_served_while_hits_stay_fast(
 
 def _page_parsers(pid: int) -> list[int]:
     """The server's child processes started by multiprocessing (its page parsers)."""
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
     parsers = []
-    for child in children:
+    for child in child_pids(pid):
         try:
             argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:

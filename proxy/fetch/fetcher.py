@@ -495,15 +495,18 @@ class Fetcher:
         no room. Without it, on a full disk every request for a missing file downloaded
         the body only to fail writing it, and so did each replica taking the lease over."""
         files = self.storage.files
-        free = await files.free_space()
-        if free is None or free - incoming >= self.min_free:
+
+        def shortfall(free: int | None) -> int:  # 0: room enough, or free space unknown
+            return 0 if free is None else max(0, self.min_free + incoming - free)
+
+        if not shortfall(await files.free_space()):
             return
         async with self._making_room:  # concurrent misses shed the shortfall once, not each
             free = await files.free_space()
-            if free is not None and free - incoming < self.min_free:
-                await self.storage.make_room(self.min_free + incoming - free)
+            if shortfall(free):
+                await self.storage.make_room(shortfall(free))
                 free = await files.free_space()
-        if free is None or free - incoming >= self.min_free:
+        if free is None or not shortfall(free):
             return
         problem = room_problem(free, incoming, self.min_free)
         raise StorageFull(f"{spec.key}: the body was not fetched: {problem}")
